@@ -1,0 +1,225 @@
+"""Artifacts passed between stages: parquet row schemas, headers and manifests.
+
+Row schemas validate every row on write and on read (``nectar.tables``); headers validate the
+attributes of Zarr groups and module files.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from .base import Artifact
+from .config import TaskType
+
+__all__ = [
+    "DocumentInfo", "ChunkRow", "PairRow", "DatasetRow", "Verdict", "Split",
+    "StageManifest", "RunManifest", "TargetsHeader", "TargetsPairRow", "ModuleSpec",
+    "TrainLogRow", "MetricsRow", "GenerationRow", "JudgmentRow",
+]
+
+
+class DocumentInfo(Artifact):
+    """The document a run is about (``document/info.json``)."""
+
+    schema_version: int = 1
+    doc_id: str
+    source_uri: str
+    sha256: str
+    n_chars: int
+    n_words: int
+    n_context_tokens: int  # n: template prefix + document, under the run's base model
+    model: str
+
+
+class ChunkRow(Artifact):
+    schema_version: int = 1
+    chunk_id: int
+    start_word: int  # inclusive index into the document's whitespace-split words
+    end_word: int  # exclusive
+    n_words: int
+    text: str
+
+
+class PairRow(Artifact):
+    """One synthesized instruction/response pair, or one failed request (parse_error set)."""
+
+    schema_version: int = 1
+    pair_id: str
+    chunk_id: int
+    task: TaskType
+    instruction: str
+    response: str
+    raw_output: str  # the model's full output, kept beside the parsed fields
+    parse_error: str | None = None
+
+
+Verdict = Literal[
+    "consistent", "inconsistent", "insufficient_context", "low_confidence",
+    "judge_parse_error", "duplicate", "synthesis_parse_error",
+]
+Split = Literal["train", "test", "dropped"]
+
+
+class DatasetRow(Artifact):
+    """A pair after verification. Dropped rows stay in the table with their verdict."""
+
+    schema_version: int = 1
+    pair_id: str
+    chunk_id: int
+    task: TaskType
+    instruction: str
+    response: str
+    full_answer: str  # the long-context model's answer with the whole document
+    judge_raw: str
+    is_consistent: bool | None
+    confidence: float | None
+    reasoning: str
+    verdict: Verdict
+    kept: bool
+    kept_by_floor: bool = False  # kept below the confidence threshold to reach verify.min_kept
+    split: Split
+    challenge: bool = False
+    max_train_similarity: float | None = None
+
+
+class StageManifest(Artifact):
+    """Written last and atomically into a stage folder: its presence means the stage completed."""
+
+    schema_version: int = 1
+    stage: str
+    cache_key: str
+    config: dict[str, Any]
+    inputs: dict[str, str]  # name → content hash
+    outputs: dict[str, str]  # relative path → content hash
+    code_version: str
+    counts: dict[str, Any] = Field(default_factory=dict)
+    started_at: str
+    finished_at: str
+    duration_s: float
+
+
+class RunManifest(Artifact):
+    schema_version: int = 1
+    doc_id: str
+    run_id: str
+    source_uri: str
+    config: dict[str, Any]
+    code_version: str
+    created_at: str
+
+
+class TargetsHeader(Artifact):
+    """Attributes of ``targets/targets.zarr``.
+
+    Arrays (token-major, T = total query tokens over all pairs; P = pairs):
+      q [T, L, Hq, d], alpha [T, L, Hq], A [T, L, Hq, d]    (dtype = ``dtype``)
+      topk_ids [T, K] int32, topk_logprobs [T, K] float32  (teacher's next-token top-K at t)
+      token_ids [T] int32, positions [T] int32 (n … n+m-1), response_mask [T] bool
+      pair_offsets [P+1] int64, pair_split [P] int8 (0 = train, 1 = test)
+    Pair p's tokens are rows pair_offsets[p]:pair_offsets[p+1]; targets/pairs.parquet lists them.
+    """
+
+    schema_version: int = 1
+    model: str
+    model_hash: str
+    doc_sha256: str
+    n_context: int
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scaling: float
+    top_k: int
+    dtype: Literal["float32", "float16"]
+    n_pairs: int
+    n_tokens: int
+    split_pairs: dict[str, int]
+    complete: bool = False
+
+
+class TargetsPairRow(Artifact):
+    schema_version: int = 1
+    index: int
+    pair_id: str
+    task: TaskType
+    split: Literal["train", "test"]
+    challenge: bool
+    start: int
+    length: int
+    response_start: int  # offset within the pair of the first response token
+    truncated: bool
+
+
+class ModuleSpec(Artifact):
+    """The JSON beside a module's safetensors: enough to rebuild it and check it fits the model."""
+
+    schema_version: int = 1
+    base_model: str
+    base_model_hash: str
+    doc_sha256: str
+    n_context: int
+    num_layers: int
+    num_kv_heads: int
+    num_q_heads: int
+    head_dim: int
+    scaling: float
+    arch: Literal["mlp", "quadrature"]
+    module_config: dict[str, Any]
+    rho: float
+    per_layer_params: list[int]  # per KV-head parameter count, one entry per layer
+    n_params: int
+    module_bytes: int
+    kv_cache_bytes: int  # bytes of the document KV cache this module replaces (same dtype)
+    normalization: dict[str, Any] = Field(default_factory=dict)
+
+
+class TrainLogRow(Artifact):
+    schema_version: int = 1
+    step: int
+    samples: int
+    split: Literal["train", "heldout"]
+    lr: float
+    loss: float
+    loss_alpha: float
+    loss_A: float
+    loss_kl: float
+    rte_A: float | None = None
+    rte_alpha: float | None = None
+    token_acc: float | None = None
+    grad_norm: float | None = None
+    skipped_nonfinite: int = 0
+
+
+class MetricsRow(Artifact):
+    schema_version: int = 1
+    split: str
+    model: Literal["module", "full", "none"]
+    token_acc: float
+    cross_entropy: float
+    kl_to_full: float
+    n_tokens: int
+
+
+class GenerationRow(Artifact):
+    schema_version: int = 1
+    pair_id: str
+    split: str
+    task: TaskType
+    instruction: str
+    ground_truth: str
+    module_output: str
+    full_output: str
+
+
+class JudgmentRow(Artifact):
+    schema_version: int = 1
+    pair_id: str
+    split: str
+    task: TaskType
+    comparison: Literal["module_vs_truth", "base_vs_truth", "module_vs_base"]
+    score: int | None
+    reasoning: str
+    raw: str
+    parse_error: str | None = None
+

@@ -1,0 +1,58 @@
+"""Base classes shared by every config and artifact.
+
+Configs are frozen (hashable, safe to pass around) and reject unknown keys so a typo in a YAML
+file is an error, not a silently ignored setting. Artifacts carry a schema version so a reader can
+refuse files written by an incompatible release.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class FrozenConfig(BaseModel):
+    """A stage or pipeline configuration. Fields marked ``resource=True`` don't enter cache keys."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
+
+    def cache_dict(self) -> dict[str, Any]:
+        """The config as plain data minus resource-only fields (device, batch sizes, concurrency)."""
+        out: dict[str, Any] = {}
+        for name, field in type(self).model_fields.items():
+            extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+            if extra.get("resource"):
+                continue
+            value = getattr(self, name)
+            out[name] = value.cache_dict() if isinstance(value, FrozenConfig) else _plain(value)
+        return out
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json")
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def resource(default: Any, **kwargs: Any) -> Any:
+    """A field that changes how fast or where a stage runs, never what it produces."""
+    return Field(default, json_schema_extra={"resource": True}, **kwargs)
+
+
+class Artifact(BaseModel):
+    """A validated record passed between stages (a table row, a header, a manifest)."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    SCHEMA_VERSION: ClassVar[int] = 1
+
+
+def stable_hash(data: Any) -> str:
+    """sha256 of canonical JSON: the same data always hashes the same across processes."""
+    blob = json.dumps(_plain(data), sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()

@@ -1,0 +1,147 @@
+"""Stage and pipeline configurations (frozen pydantic models).
+
+Every stage function takes its own config plus flat arguments; nothing here is stored inside an
+``nn.Module``. Presets live in ``presets.py``.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from .base import FrozenConfig, resource
+
+TaskType = Literal["qa", "summarization", "quoting", "paraphrasing"]
+TASK_TYPES: tuple[TaskType, ...] = ("qa", "summarization", "quoting", "paraphrasing")
+STAGES: tuple[str, ...] = ("chunk", "synthesize", "verify", "targets", "train", "evaluate")
+
+
+class ModelConfig(FrozenConfig):
+    """The frozen base model. ``name`` is ``embedded:smollm2-135m``, ``tiny:llama``/``tiny:qwen3``
+    (random weights built in-process, for tests), an HF model id or a local directory."""
+
+    name: str = "embedded:smollm2-135m"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # YaRN factor applied identically everywhere the model is loaded (paper §4.1: x4 for Qwen3).
+    yarn_factor: float | None = None
+    # Refuse documents + query longer than this many tokens (default: the model's trained window,
+    # times yarn_factor when set).
+    max_context_tokens: int | None = None
+    device: str = resource("auto")
+    # "auto": flash-attn on CUDA when installed, else exact torch math.
+    attention_backend: Literal["auto", "torch", "flash"] = resource("auto")
+
+
+class LLMConfig(FrozenConfig):
+    """One chat endpoint: in-process transformers (``local``) or an OpenAI-compatible server."""
+
+    backend: Literal["local", "openai"] = "local"
+    # openai: the served model name. local: None means the pipeline's base model.
+    model: str | None = None
+    base_url: str | None = None
+    api_key_env: str = "OPENAI_API_KEY"
+    temperature: float = 0.7
+    top_p: float = 0.95
+    max_new_tokens: int = 512
+    structured_output: bool = True
+    seed: int = 0
+    max_concurrency: int = resource(8)
+    batch_size: int = resource(8)
+    max_retries: int = resource(3)
+    timeout_s: float = resource(300.0)
+
+
+class ChunkConfig(FrozenConfig):
+    words: int = Field(2000, gt=0)
+    overlap: int = Field(200, ge=0)
+
+    @model_validator(mode="after")
+    def _overlap_below_size(self) -> "ChunkConfig":
+        if self.overlap >= self.words:
+            raise ValueError(f"chunk.overlap ({self.overlap}) must be smaller than chunk.words ({self.words})")
+        return self
+
+
+class SynthesizeConfig(FrozenConfig):
+    counts: dict[TaskType, int] = Field(
+        default_factory=lambda: {"qa": 5, "summarization": 1, "quoting": 2, "paraphrasing": 2}
+    )
+    max_chunks: int | None = None  # cap for quick runs; None = every chunk
+    llm: LLMConfig = LLMConfig(temperature=0.7, top_p=0.95, max_new_tokens=1024)
+
+
+class VerifyConfig(FrozenConfig):
+    min_confidence: float = 0.7
+    test_fraction: float = 0.2
+    # challenge split size: the test instructions least similar to any training instruction.
+    challenge_size: int = 500
+    seed: int = 0
+    answer_llm: LLMConfig = LLMConfig(temperature=0.0, max_new_tokens=256)
+    judge: LLMConfig = LLMConfig(temperature=0.0, max_new_tokens=256)
+    embedder: str = "embedded:all-minilm-l6-v2"
+    # Tiny models produce few consistent pairs; when set, keep at least this many pairs by taking
+    # the most confident consistent ones below the threshold (recorded as kept_by_floor).
+    min_kept: int = 0
+
+
+class TargetsConfig(FrozenConfig):
+    top_k: int = 32
+    dtype: Literal["float32", "float16"] = "float32"
+    max_query_tokens: int = 512
+    splits: tuple[str, ...] = ("train", "test")
+    chunk_tokens: int = 64  # zarr chunk along the token axis (random reads of batches)
+    shard_tokens: int = 2048  # zarr shard along the token axis (one write unit)
+    batch_size: int = resource(8)
+
+
+class ModuleConfig(FrozenConfig):
+    arch: Literal["mlp", "quadrature"] = "mlp"
+    rho: float = Field(0.02, gt=0)  # fraction of each head's KV cache (2·n·d)
+    layer_multipliers: tuple[float, ...] = (1.0, 2.0, 5.0, 2.0)
+    score_fraction: float = 0.1  # MLP: share of the budget for the score head
+    depths: tuple[int, int, int] = (0, 4, 4)  # (D_b, D_s, D_t)
+    residual: bool = False
+    layer_norm: bool = False
+    normalize_targets: bool = True
+
+
+class TrainConfig(FrozenConfig):
+    module: ModuleConfig = ModuleConfig()
+    lambda_alpha: float = 0.1
+    lambda_A: float = 1.0
+    lambda_kl: float = 0.0
+    samples: int = 1_000_000  # total sample budget (query tokens for regression, pairs for KL)
+    batch_size: int = 32
+    ref_batch_size: int = 4
+    peak_lr: float = 1e-4
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    seed: int = 0
+    eval_every: int = 200
+    checkpoint_every: int = 200
+    max_bad_steps: int = 20  # consecutive non-finite steps before the run is declared diverged
+    num_workers: int = resource(0)
+
+
+class EvaluateConfig(FrozenConfig):
+    splits: tuple[str, ...] = ("test", "challenge")
+    max_samples: int = 500
+    judge: LLMConfig = LLMConfig(temperature=0.0, max_new_tokens=256)
+    top_p: float = 0.8
+    temperature: float = 0.7
+    max_new_tokens_qa: int = 64
+    max_new_tokens_other: int = 196
+    seed: int = 0
+    benchmark_lengths: tuple[int, ...] = (512, 1024, 2048)
+    benchmark_new_tokens: int = 32
+
+
+class PipelineConfig(FrozenConfig):
+    preset: str = "cpu"
+    model: ModelConfig = ModelConfig()
+    chunk: ChunkConfig = ChunkConfig()
+    synthesize: SynthesizeConfig = SynthesizeConfig()
+    verify: VerifyConfig = VerifyConfig()
+    targets: TargetsConfig = TargetsConfig()
+    train: TrainConfig = TrainConfig()
+    evaluate: EvaluateConfig = EvaluateConfig()

@@ -1,0 +1,155 @@
+"""Named presets and config loading.
+
+``tiny``  — random 2-layer model built in-process; seconds; for tests.
+``cpu``   — the embedded default: SmolLM2-135M-Instruct on the 2-core machine, whole DAG < 30 min.
+``paper`` — the paper's App. A settings for GPU runs (Qwen3 / Qwen2.5 served by vLLM).
+Training regimes (``regression``, ``mixed``, ``distill``, ``cartridges``) are overlays on top.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from .config import PipelineConfig
+
+
+class ConfigError(ValueError):
+    """A preset, config file or override that can't be turned into a valid PipelineConfig."""
+
+
+_LOCAL_FAST = {"backend": "local", "max_new_tokens": 256, "batch_size": 8}
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {
+        "model": {"name": "tiny:llama"},
+        "chunk": {"words": 60, "overlap": 10},
+        "synthesize": {
+            "counts": {"qa": 2, "summarization": 1, "quoting": 1, "paraphrasing": 1},
+            "max_chunks": 3,
+            "llm": {**_LOCAL_FAST, "max_new_tokens": 48},
+        },
+        "verify": {
+            "answer_llm": {**_LOCAL_FAST, "max_new_tokens": 16},
+            "judge": {**_LOCAL_FAST, "max_new_tokens": 48},
+            "min_kept": 6,
+            "challenge_size": 2,
+        },
+        "targets": {"top_k": 8, "max_query_tokens": 128, "chunk_tokens": 16, "shard_tokens": 64},
+        "train": {"samples": 2000, "batch_size": 16, "eval_every": 50, "checkpoint_every": 50,
+                  "module": {"rho": 0.25, "depths": [0, 2, 2]}},
+        "evaluate": {"max_samples": 4, "max_new_tokens_qa": 8, "max_new_tokens_other": 8,
+                     "benchmark_lengths": [64, 128], "benchmark_new_tokens": 4,
+                     "judge": {**_LOCAL_FAST, "max_new_tokens": 32}},
+    },
+    "cpu": {
+        "model": {"name": "embedded:smollm2-135m"},
+        "chunk": {"words": 300, "overlap": 50},
+        "synthesize": {
+            "counts": {"qa": 5, "summarization": 1, "quoting": 2, "paraphrasing": 2},
+            "llm": {**_LOCAL_FAST, "max_new_tokens": 512},
+        },
+        "verify": {
+            "answer_llm": {**_LOCAL_FAST, "max_new_tokens": 96},
+            "judge": {**_LOCAL_FAST, "max_new_tokens": 96},
+            "min_kept": 24,
+            "challenge_size": 6,
+        },
+        "targets": {"top_k": 32, "max_query_tokens": 384, "dtype": "float32",
+                    "chunk_tokens": 64, "shard_tokens": 1024},
+        "train": {"samples": 60_000, "batch_size": 64, "eval_every": 100, "checkpoint_every": 100,
+                  "module": {"rho": 0.05}},
+        "evaluate": {"max_samples": 12, "benchmark_lengths": [512, 1024, 2048, 4096],
+                     "judge": {**_LOCAL_FAST, "max_new_tokens": 96}},
+    },
+    "paper": {
+        "model": {"name": "Qwen/Qwen2.5-7B-Instruct", "dtype": "bfloat16"},
+        "chunk": {"words": 2000, "overlap": 200},
+        "synthesize": {"llm": {"backend": "openai", "model": "Qwen/Qwen3-8B",
+                               "base_url": "http://localhost:8000/v1", "max_new_tokens": 2048,
+                               "max_concurrency": 64}},
+        "verify": {
+            "answer_llm": {"backend": "openai", "model": "Qwen/Qwen2.5-7B-Instruct-1M",
+                           "base_url": "http://localhost:8000/v1", "max_concurrency": 64},
+            "judge": {"backend": "openai", "model": "Qwen/Qwen2.5-7B-Instruct-1M",
+                      "base_url": "http://localhost:8000/v1", "max_concurrency": 64},
+            "challenge_size": 500,
+        },
+        "targets": {"top_k": 64, "max_query_tokens": 512, "batch_size": 4},
+        "train": {"samples": 1_000_000, "batch_size": 4, "ref_batch_size": 4, "module": {"rho": 0.02}},
+        "evaluate": {"max_samples": 500, "benchmark_lengths": [8192, 32768, 65536, 131072],
+                     "judge": {"backend": "openai", "model": "gpt-5.2", "base_url": None}},
+    },
+}
+
+# Loss regimes of the paper's sweep (App. A.4); applied on top of a preset with --regime.
+REGIMES: dict[str, dict[str, Any]] = {
+    "regression": {"train": {"lambda_alpha": 0.1, "lambda_A": 1.0, "lambda_kl": 0.0}},
+    "mixed": {"train": {"lambda_alpha": 0.1, "lambda_A": 1.0, "lambda_kl": 2.0}},
+    "distill": {"train": {"lambda_alpha": 0.0, "lambda_A": 0.0, "lambda_kl": 1.0}},
+    "cartridges": {"train": {"lambda_alpha": 0.0, "lambda_A": 0.0, "lambda_kl": 1.0,
+                             "module": {"arch": "quadrature"}}},
+}
+
+
+def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def parse_override(text: str) -> dict[str, Any]:
+    """``train.module.rho=0.05`` → nested dict; the value is parsed as YAML (numbers, lists, null)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like section.key=value")
+    path, raw = text.split("=", 1)
+    value: Any = yaml.safe_load(raw)
+    for key in reversed(path.strip().split(".")):
+        value = {key: value}
+    return value
+
+
+def load_config(
+    preset: str = "cpu",
+    config_file: str | Path | None = None,
+    regime: str | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+) -> PipelineConfig:
+    """preset → regime → YAML file → ``key=value`` overrides, validated once at the end."""
+    if preset not in PRESETS:
+        raise ConfigError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    data = deep_merge({"preset": preset}, PRESETS[preset])
+    if regime is not None:
+        if regime not in REGIMES:
+            raise ConfigError(f"unknown regime {regime!r}; choose one of {sorted(REGIMES)}")
+        data = deep_merge(data, REGIMES[regime])
+    if config_file is not None:
+        path = Path(config_file)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path} must hold a mapping, got {type(loaded).__name__}")
+        data = deep_merge(data, loaded)
+    for text in overrides:
+        data = deep_merge(data, parse_override(text))
+    try:
+        return PipelineConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_explain(exc, config_file)) from None
+
+
+def _explain(exc: ValidationError, source: str | Path | None) -> str:
+    where = f" in {source}" if source else ""
+    lines = [f"invalid configuration{where}:"]
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+        lines.append(f"  {loc}: {msg}")
+    return "\n".join(lines)
