@@ -1,0 +1,105 @@
+"""The NECTAR attention function, registered through transformers' ``AttentionInterface``.
+
+While ``nectar_attention(model, provider, recorder)`` is active, every attention layer of ``model``
+computes, for the tokens it is given (query tokens at positions n…, plus any local cache):
+
+    local = exact causal state over the pair's own tokens                  (AttnState)
+    doc   = provider(layer, q, scaling)   — exact (capture/oracle) or a module (blend)
+    out   = merge(doc, local)
+
+No modeling code is forked: any model whose attention goes through the interface (Llama, Qwen2,
+Qwen3, Mistral, …) works, with its own scaling, rotated (post-RoPE, post q/k-norm) queries and GQA.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Callable, Iterator, Protocol
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from .state import AttnState, attention_state, merge_states
+
+IMPL_NAME = "nectar"
+
+
+class DocStateProvider(Protocol):
+    def __call__(self, layer: int, q: torch.Tensor, scaling: float) -> AttnState | None:
+        """q: [b, hq, m, d] rotated queries → the document state per query head, or None."""
+
+
+Recorder = Callable[[int, torch.Tensor, AttnState | None], None]
+
+
+class _Active:
+    """Per-model state of an active context (looked up by the attention module's config)."""
+
+    def __init__(self, provider: DocStateProvider | None, recorder: Recorder | None):
+        self.provider = provider
+        self.recorder = recorder
+
+
+_ACTIVE: dict[int, _Active] = {}
+_LOCK = threading.Lock()
+
+
+def nectar_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [b, hq, m, d]
+    key: torch.Tensor,  # [b, hkv, k_len, d] (local tokens only: earlier cached + current)
+    value: torch.Tensor,  # [b, hkv, k_len, d]
+    attention_mask: torch.Tensor | None,  # bool [b, 1, m, k_len] (True = attend) or None (causal)
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    active = _ACTIVE.get(id(module.config))
+    if active is None:
+        raise RuntimeError("nectar attention called outside nectar_attention(...) context")
+    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    m, k_len = query.shape[2], key.shape[2]
+    if attention_mask is not None and attention_mask.dtype != torch.bool:
+        attention_mask = attention_mask > -1  # additive float mask → visibility
+    local = attention_state(
+        query, key, value, scaling,
+        causal_offset=(k_len - m) if attention_mask is None else None,
+        key_mask=attention_mask,
+    )
+    doc = active.provider(module.layer_idx, query, scaling) if active.provider is not None else None
+    if active.recorder is not None:
+        active.recorder(module.layer_idx, query, doc)
+    merged = merge_states(doc, local)
+    return merged.out.to(query.dtype).transpose(1, 2).contiguous(), None  # [b, m, hq, d]
+
+
+AttentionInterface.register(IMPL_NAME, nectar_attention_forward)
+# Same mask semantics as sdpa: a bool mask, or None when plain causal attention suffices.
+AttentionMaskInterface.register(IMPL_NAME, sdpa_mask)
+
+
+@contextlib.contextmanager
+def nectar_attention(
+    model: torch.nn.Module,
+    provider: DocStateProvider | None,
+    recorder: Recorder | None = None,
+) -> Iterator[None]:
+    """Install the NECTAR attention on ``model`` for the duration of the block (removed in finally)."""
+    # Attention layers may hold a sub-config (multimodal wrappers); key by each layer's config.
+    config_ids = {id(mod.config) for mod in model.modules() if hasattr(mod, "layer_idx") and hasattr(mod, "config")}
+    config_ids.add(id(model.config))
+    with _LOCK:
+        if config_ids & _ACTIVE.keys():
+            raise RuntimeError("nectar_attention is already active on this model")
+        for cid in config_ids:
+            _ACTIVE[cid] = _Active(provider, recorder)
+    previous = model.config._attn_implementation
+    try:
+        model.set_attn_implementation(IMPL_NAME)
+        yield
+    finally:
+        model.set_attn_implementation(previous)
+        with _LOCK:
+            for cid in config_ids:
+                _ACTIVE.pop(cid, None)

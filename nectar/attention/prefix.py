@@ -1,0 +1,142 @@
+"""The document's KV cache: computed once per (model, document), persisted, reused everywhere.
+
+``ExactDocState`` turns it into the exact document state for any batch of queries, so the
+"full-context model" is the same NECTAR forward as the module-plugged one, with an exact provider
+instead of a learned one — and no stage ever re-prefills the document per pair.
+"""
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+
+import fsspec
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from ..models import BaseModel
+from .state import AttnState, attention_state
+
+
+class DocKVMismatch(ValueError):
+    """A cached document KV was made for another model or document."""
+
+
+@dataclass
+class DocKV:
+    keys: list[torch.Tensor]  # per layer [hkv, n, d] (rotated keys, as the model caches them)
+    values: list[torch.Tensor]  # per layer [hkv, n, d]
+
+    @property
+    def n(self) -> int:
+        return self.keys[0].shape[1]
+
+    def nbytes(self) -> int:
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size()
+                   for k, v in zip(self.keys, self.values))
+
+
+@torch.no_grad()
+def prefill_document(base: BaseModel, context_ids, chunk_tokens: int = 2048) -> DocKV:
+    """One forward over the document (in chunks of ``chunk_tokens`` to bound activation memory)."""
+    from transformers import DynamicCache
+
+    ids = torch.as_tensor(list(context_ids), dtype=torch.long, device=base.device).unsqueeze(0)  # [1, n]
+    cache = DynamicCache(config=base.model.config)
+    for start in range(0, ids.shape[1], chunk_tokens):
+        base.model(input_ids=ids[:, start:start + chunk_tokens], past_key_values=cache, use_cache=True)
+    keys = [layer.keys[0].contiguous() for layer in cache.layers]  # [hkv, n, d]
+    values = [layer.values[0].contiguous() for layer in cache.layers]
+    return DocKV(keys, values)
+
+
+def save_doc_kv(doc_kv: DocKV, url: str, meta: dict[str, str]) -> None:
+    tensors = {f"k.{i}": k.cpu() for i, k in enumerate(doc_kv.keys)}
+    tensors.update({f"v.{i}": v.cpu() for i, v in enumerate(doc_kv.values)})
+    blob = st_save(tensors, metadata={k: str(v) for k, v in meta.items()})
+    fs, path = fsspec.core.url_to_fs(url)
+    fs.makedirs(fs._parent(path), exist_ok=True)
+    with fs.open(path + ".tmp", "wb") as f:
+        f.write(blob)
+    fs.mv(path + ".tmp", path)
+
+
+def read_doc_kv_meta(url: str) -> dict[str, str]:
+    from safetensors import safe_open
+
+    fs, path = fsspec.core.url_to_fs(url)
+    with fs.open(path, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        import json
+
+        return json.loads(f.read(header_len)).get("__metadata__", {})
+
+
+def load_doc_kv(url: str, base: BaseModel, expect: dict[str, str]) -> DocKV:
+    """Load a cached document KV, refusing one made for another model or document."""
+    meta = read_doc_kv_meta(url)
+    for key, want in expect.items():
+        if meta.get(key) != str(want):
+            raise DocKVMismatch(
+                f"{url}: cached document KV has {key}={meta.get(key)!r}, this run needs {want!r}; "
+                "re-run the targets stage (--from targets) to rebuild it"
+            )
+    fs, path = fsspec.core.url_to_fs(url)
+    with fs.open(path, "rb") as f:
+        tensors = st_load(f.read())
+    n_layers = len([k for k in tensors if k.startswith("k.")])
+    keys = [tensors[f"k.{i}"].to(base.device, base.dtype) for i in range(n_layers)]
+    values = [tensors[f"v.{i}"].to(base.device, base.dtype) for i in range(n_layers)]
+    return DocKV(keys, values)
+
+
+def flash_available(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class ExactDocState:
+    """Provider of the exact document state (A, α) from the document KV cache.
+
+    Every query of the batch attends to the same document keys, so batch, GQA group and tokens are
+    folded into one query axis per KV head: one matmul per key chunk, no KV copy per pair.
+    """
+
+    def __init__(self, doc_kv: DocKV, backend: str = "auto", chunk_size: int = 4096):
+        self.doc_kv = doc_kv
+        self.chunk_size = chunk_size
+        device = doc_kv.keys[0].device
+        self.use_flash = backend == "flash" or (backend == "auto" and flash_available(device))
+
+    def __call__(self, layer: int, q: torch.Tensor, scaling: float) -> AttnState:
+        if self.use_flash:
+            return self._flash(layer, q, scaling)
+        b, hq, m, d = q.shape
+        k, v = self.doc_kv.keys[layer], self.doc_kv.values[layer]  # [hkv, n, d]
+        hkv = k.shape[0]
+        g = hq // hkv
+        qf = q.reshape(b, hkv, g, m, d).permute(1, 2, 0, 3, 4).reshape(1, hkv, g * b * m, d)
+        st = attention_state(qf, k.unsqueeze(0), v.unsqueeze(0), scaling, chunk_size=self.chunk_size)
+        out = st.out.reshape(hkv, g, b, m, d).permute(2, 0, 1, 3, 4).reshape(b, hq, m, d)  # [b, hq, m, d]
+        lse = st.lse.reshape(hkv, g, b, m).permute(2, 0, 1, 3).reshape(b, hq, m)  # [b, hq, m]
+        return AttnState(out, lse)
+
+    def _flash(self, layer: int, q: torch.Tensor, scaling: float) -> AttnState:
+        from flash_attn import flash_attn_func
+
+        b, hq, m, d = q.shape
+        k, v = self.doc_kv.keys[layer], self.doc_kv.values[layer]  # [hkv, n, d]
+        qf = q.permute(0, 2, 1, 3).reshape(1, b * m, hq, d)  # batch folded into the sequence axis
+        kf = k.permute(1, 0, 2).unsqueeze(0)  # [1, n, hkv, d] (flash handles GQA natively)
+        vf = v.permute(1, 0, 2).unsqueeze(0)
+        dtype = qf.dtype if qf.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+        out, lse, _ = flash_attn_func(qf.to(dtype), kf.to(dtype), vf.to(dtype), softmax_scale=scaling,
+                                      causal=False, return_attn_probs=True)
+        out = out.reshape(b, m, hq, d).permute(0, 2, 1, 3).float()  # [b, hq, m, d]
+        lse = lse.reshape(hq, b, m).permute(1, 0, 2).float()  # flash lse is [1, hq, b*m]
+        return AttnState(out, lse)
