@@ -1,0 +1,42 @@
+"""One GPU, many runs: a Prefect global concurrency limit around the GPU stages.
+
+A pipeline run executes its stages as subflows inside ONE flow-run process, so work-pool or
+work-queue limits (which count whole flow runs) cannot stop two documents' ``train`` stages from
+sharing a GPU. A global concurrency limit can: ``nectar deploy`` creates ``nectar-gpu`` with one
+slot per GPU, and each GPU stage body runs inside ``gpu_slot(stage)``; a second run's GPU stage
+waits (its flow run shows as Running, its logs say it is waiting) until the slot is free.
+
+Without a Prefect server (ephemeral mode, ``PREFECT_API_URL`` unset) there is nobody to coordinate
+with, so the slot is a no-op; with a server but no limit created, Prefect logs a warning and skips.
+"""
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from typing import Iterator
+
+GPU_LIMIT = "nectar-gpu"
+GPU_STAGES: tuple[str, ...] = ("targets", "train", "evaluate")
+
+
+def uses_gpu(stage: str) -> bool:
+    return stage in GPU_STAGES
+
+
+def server_configured() -> bool:
+    from prefect.settings import PREFECT_API_URL
+
+    return bool(PREFECT_API_URL.value() or os.environ.get("PREFECT_API_URL"))
+
+
+@contextmanager
+def gpu_slot(stage: str, limit_name: str = GPU_LIMIT, timeout_s: float | None = None) -> Iterator[bool]:
+    """Hold one slot of ``limit_name`` while a GPU stage runs. Yields whether a slot was taken."""
+    if not uses_gpu(stage) or not server_configured():
+        yield False
+        return
+    from prefect.concurrency.sync import concurrency
+
+    # strict=False: a server without the limit (deploy not run yet) still runs the stage.
+    with concurrency(limit_name, occupy=1, timeout_seconds=timeout_s, strict=False):
+        yield True

@@ -1,0 +1,209 @@
+"""``nectar status DIR``: a terminal view of every run under a directory (or one run).
+
+Reads only what the runs themselves wrote (DESIGN.md §4) — ``run.json``, each stage's
+``manifest.json`` (present ⇔ the stage completed) and ``error.json`` (written when a stage raised) —
+so it works on any fsspec URL, with or without a Prefect server, and while a run is in progress.
+
+    DIR may be   runs/<doc-id>/<run-id>   one run (holds run.json)
+                 runs/<doc-id>            every run of one document
+                 runs                     every run of every document
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import shlex
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import fsspec
+
+from ..runs import RunDir
+from ..schemas.artifacts import RunManifest, StageManifest
+from ..schemas.config import STAGES
+from ..tables import ArtifactError, read_json_artifact
+
+# done: manifest present (completed, possibly by an earlier invocation)
+# cached: completed, and the latest invocation skipped it (only when the run records outcomes)
+# failed: error.json present and no manifest
+# partial: the stage folder exists without manifest or error (running now, or killed mid-stage)
+# missing: nothing yet; not available: this install has no implementation of the stage
+STATES = ("done", "cached", "failed", "partial", "missing", "not available")
+OUTCOME_FILE = "outcome.json"  # optional {"status": "done"|"cached", "at": ...} per invocation
+
+
+@dataclass(frozen=True)
+class StageStatus:
+    stage: str
+    state: str
+    counts: dict[str, Any] = field(default_factory=dict)
+    finished_at: str | None = None
+    duration_s: float | None = None
+    error: str | None = None  # the full error text from error.json
+    error_at: str | None = None
+    rerun: str | None = None  # the command that re-runs this stage on the existing inputs
+
+    @property
+    def error_summary(self) -> str | None:
+        """The exception line (error.json holds the message first, then a short traceback)."""
+        return self.error.strip().splitlines()[0] if self.error else None
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    run_dir: str
+    doc_id: str
+    run_id: str
+    source_uri: str
+    preset: str | None
+    created_at: str | None
+    stages: tuple[StageStatus, ...]
+    problem: str | None = None  # run.json missing or invalid
+
+    @property
+    def state(self) -> str:
+        states = [s.state for s in self.stages]
+        if self.problem:
+            return "invalid"
+        if "failed" in states:
+            return "failed"
+        if all(s in ("done", "cached", "not available") for s in states):
+            return "complete"
+        return "incomplete"
+
+    @property
+    def last_error(self) -> StageStatus | None:
+        failed = [s for s in self.stages if s.state == "failed"]
+        return max(failed, key=lambda s: s.error_at or "") if failed else None
+
+
+def available_stages() -> set[str]:
+    """Stages this install implements (a module ``nectar.stages.<stage>`` exists)."""
+    return {s for s in STAGES if importlib.util.find_spec(f"nectar.stages.{s}") is not None}
+
+
+def rerun_command(run_dir: str, stage: str) -> str:
+    return f"nectar rerun {shlex.quote(run_dir)} {stage}"
+
+
+def find_runs(root: str, max_depth: int = 2) -> list[RunDir]:
+    """Run directories at ``root`` or up to ``max_depth`` levels below it (those with run.json)."""
+    fs, path = fsspec.core.url_to_fs(root)
+    if not fs.exists(path):
+        raise FileNotFoundError(f"{root}: no such directory")
+    if fs.exists(f"{path.rstrip('/')}/run.json"):
+        return [RunDir(root.rstrip("/"))]
+    found: list[RunDir] = []
+    for depth in range(1, max_depth + 1):
+        pattern = "/".join([path.rstrip("/"), *["*"] * depth, "run.json"])
+        for hit in sorted(fs.glob(pattern)):
+            rel = hit[len(path.rstrip("/")) + 1 : -len("/run.json")]
+            found.append(RunDir(f"{root.rstrip('/')}/{rel}"))
+    return found
+
+
+def _read_outcome(run: RunDir, stage: str) -> str | None:
+    if not run.exists(stage, OUTCOME_FILE):
+        return None
+    with run.fs.open(run.local_path(stage, OUTCOME_FILE), "r") as f:
+        return json.load(f).get("status")
+
+
+def stage_status(run: RunDir, stage: str, available: set[str]) -> StageStatus:
+    rerun = rerun_command(run.root, stage)
+    manifest: StageManifest | None = run.read_manifest(stage)
+    if manifest is not None:
+        state = "cached" if _read_outcome(run, stage) == "cached" else "done"
+        return StageStatus(stage, state, dict(manifest.counts), manifest.finished_at,
+                           manifest.duration_s, rerun=rerun)
+    error = run.read_error(stage)
+    if error is not None:
+        return StageStatus(stage, "failed", error=str(error.get("error", "")),
+                           error_at=error.get("at"), rerun=rerun)
+    if stage not in available:
+        return StageStatus(stage, "not available")
+    state = "partial" if run.exists(stage) else "missing"
+    return StageStatus(stage, state, rerun=rerun if state == "partial" else None)
+
+
+def run_status(run: RunDir, available: set[str] | None = None) -> RunStatus:
+    available = available_stages() if available is None else available
+    stages = tuple(stage_status(run, s, available) for s in STAGES)
+    parts = run.root.rstrip("/").split("/")
+    try:
+        info = read_json_artifact(run.url("run.json"), RunManifest)
+    except ArtifactError as exc:
+        return RunStatus(run.root, parts[-2] if len(parts) > 1 else "?", parts[-1], "?", None,
+                         None, stages, problem=str(exc))
+    return RunStatus(run.root, info.doc_id, info.run_id, info.source_uri,
+                     info.config.get("preset"), info.created_at, stages)
+
+
+def collect(root: str, available: set[str] | None = None) -> list[RunStatus]:
+    """Status of every run under ``root``, oldest first."""
+    available = available_stages() if available is None else available
+    runs = [run_status(r, available) for r in find_runs(root)]
+    return sorted(runs, key=lambda r: (r.doc_id, r.created_at or ""))
+
+
+# ------------------------------------------------------------------------------------ rendering
+
+_STYLE = {"done": "green", "cached": "cyan", "failed": "bold red", "partial": "yellow",
+          "missing": "dim", "not available": "dim italic"}
+
+
+def _format_counts(counts: dict[str, Any], limit: int = 4) -> str:
+    """The first few scalar counts: enough to see at a glance what a stage produced."""
+    items = [(k, v) for k, v in counts.items() if isinstance(v, (int, float, str, bool))]
+    text = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in items[:limit])
+    return text + (", …" if len(items) > limit else "")
+
+
+def run_table(status: RunStatus):
+    from rich.table import Table
+
+    title = f"{status.doc_id} / {status.run_id}  [{status.state}]"
+    caption = f"{status.run_dir}  ·  source {status.source_uri}  ·  preset {status.preset or '?'}"
+    table = Table(title=title, caption=caption, title_justify="left", caption_justify="left")
+    for col in ("stage", "state", "counts", "finished", "s"):
+        table.add_column(col, no_wrap=col in ("stage", "state"))
+    for s in status.stages:
+        detail = s.error_summary if s.state == "failed" else _format_counts(s.counts)
+        table.add_row(s.stage, f"[{_STYLE[s.state]}]{s.state}[/]", detail or "",
+                      s.finished_at or s.error_at or "", "" if s.duration_s is None else f"{s.duration_s:.1f}")
+    return table
+
+
+def render(statuses: Iterable[RunStatus], console=None) -> None:
+    """Print one table per run, then the last error and the command that re-runs the stage."""
+    from rich.console import Console
+
+    console = console or Console()
+    statuses = list(statuses)
+    if not statuses:
+        console.print("no runs found (a run directory holds run.json)")
+        return
+    for status in statuses:
+        console.print(run_table(status))
+        if status.problem:
+            console.print(f"[red]run.json: {status.problem}[/]")
+        failed = status.last_error
+        if failed is not None:
+            console.print(f"[bold red]{failed.stage} failed[/] at {failed.error_at}: {failed.error_summary}")
+            console.print(f"  re-run it: [bold]{failed.rerun}[/]")
+        console.print()
+
+
+def status_json(statuses: Iterable[RunStatus]) -> list[dict[str, Any]]:
+    """Plain data for ``nectar status --json`` (scripts, dashboards)."""
+    out = []
+    for r in statuses:
+        out.append({
+            "run_dir": r.run_dir, "doc_id": r.doc_id, "run_id": r.run_id, "source_uri": r.source_uri,
+            "preset": r.preset, "created_at": r.created_at, "state": r.state, "problem": r.problem,
+            "stages": [{"stage": s.stage, "state": s.state, "counts": s.counts,
+                        "finished_at": s.finished_at, "duration_s": s.duration_s,
+                        "error": s.error_summary, "error_at": s.error_at, "rerun": s.rerun}
+                       for s in r.stages],
+        })
+    return out
