@@ -50,6 +50,14 @@ class BaseModel:
     max_context_tokens: int
 
     @property
+    def scaling(self) -> float:
+        """The attention modules' own logit scaling (not always 1/sqrt(d))."""
+        for mod in self.model.modules():
+            if hasattr(mod, "layer_idx") and hasattr(mod, "scaling"):
+                return float(mod.scaling)
+        return self.head_dim ** -0.5
+
+    @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 

@@ -1,0 +1,40 @@
+import pytest
+import torch
+
+torch.set_num_threads(2)
+
+DOC = (
+    "The lighthouse keeper of Varn Island kept a ledger of every ship that passed. "
+    "In the winter of 1871 the schooner Meridian ran aground on the northern reef, and the keeper "
+    "rowed out twice to bring its seven sailors ashore. The ledger records that the Meridian carried "
+    "salt cod and barrels of lamp oil, and that her captain, Ilse Brandt, later bought the island. "
+) * 3
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    from nectar.models import load_base_model
+    from nectar.schemas import ModelConfig
+
+    return load_base_model(ModelConfig(name="tiny:llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3():
+    from nectar.models import load_base_model
+    from nectar.schemas import ModelConfig
+
+    return load_base_model(ModelConfig(name="tiny:qwen3"))
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    from nectar.models import load_base_model
+    from nectar.schemas import ModelConfig
+
+    return load_base_model(ModelConfig(name="embedded:smollm2-135m"))
+
+
+@pytest.fixture
+def document() -> str:
+    return DOC
