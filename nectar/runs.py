@@ -165,6 +165,7 @@ def run_stage(
     key = cache_key(stage, config, inputs)
     existing = run.read_manifest(stage)
     if existing is not None and existing.cache_key == key and not force:
+        _record_invocation(run, stage, "cached")
         return StageOutcome(stage, "cached", existing, existing.outputs)
     run.invalidate(stage)
     run.clear_error(stage)
@@ -172,8 +173,9 @@ def run_stage(
     started, t0 = now(), time.perf_counter()
     try:
         files, counts = body(stage_url)
-    except Exception as exc:
+    except BaseException as exc:
         run.write_error(stage, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}")
+        _record_invocation(run, stage, "failed")
         raise
     outputs = {name: hash_url(run.url(stage, name)) for name in files}
     cfg = config.cache_dict() if isinstance(config, FrozenConfig) else config
@@ -183,4 +185,38 @@ def run_stage(
         duration_s=round(time.perf_counter() - t0, 3),
     )
     write_json_artifact(run.manifest_url(stage), manifest)
+    _record_invocation(run, stage, "done")
     return StageOutcome(stage, "done", manifest, outputs)
+
+
+def _record_invocation(run: RunDir, stage: str, status: str) -> None:
+    """What the latest invocation of a stage did (done / cached / failed), for `nectar status`."""
+    fs, path = fsspec.core.url_to_fs(run.url(stage, "last_invocation.json"))
+    fs.makedirs(fs._parent(path), exist_ok=True)
+    with fs.open(path, "w") as f:
+        json.dump({"status": status, "at": now()}, f)
+
+
+def last_invocation(run: RunDir, stage: str) -> dict[str, Any] | None:
+    fs, path = fsspec.core.url_to_fs(run.url(stage, "last_invocation.json"))
+    if not fs.exists(path):
+        return None
+    with fs.open(path, "r") as f:
+        return json.load(f)
+
+
+def stage_status(run: RunDir, stage: str) -> dict[str, Any]:
+    """done / cached / failed / missing, with the manifest's counts and the last error."""
+    manifest = run.read_manifest(stage)
+    last = last_invocation(run, stage) or {}
+    error = run.read_error(stage)
+    if last.get("status") == "failed" or (manifest is None and error):
+        state = "failed"
+    elif manifest is None:
+        state = "missing"
+    else:
+        state = last.get("status", "done")
+    return {"stage": stage, "state": state, "counts": manifest.counts if manifest else {},
+            "duration_s": manifest.duration_s if manifest else None,
+            "finished_at": manifest.finished_at if manifest else None,
+            "error": (error or {}).get("error") if state == "failed" else None}

@@ -1,0 +1,121 @@
+"""The `nectar` command line."""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="NECTAR: per-document modules that replace attention over a long document's KV cache.")
+console = Console(stderr=True)
+
+
+def _tqdm_progress(stage: str):
+    from tqdm.auto import tqdm
+
+    bar = {"b": None}
+
+    def update(done: int, total: int) -> None:
+        if bar["b"] is None:
+            bar["b"] = tqdm(total=total, desc=stage, unit="item", file=sys.stderr, dynamic_ncols=True)
+        bar["b"].total = total
+        bar["b"].n = done
+        bar["b"].refresh()
+        if done >= total:
+            bar["b"].close()
+
+    return update
+
+
+def _quiet_prefect() -> None:
+    # Ephemeral mode is fine for a one-off run; keep Prefect's own logs at warning level.
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+
+@app.command()
+def run(
+    document: str = typer.Argument("pydoc:naming", help="Path, fsspec URL or pydoc:<topic> (default: pydoc:naming)."),
+    preset: str = typer.Option("cpu", help="tiny | cpu | paper"),
+    config: Optional[str] = typer.Option(None, "--config", help="YAML file of overrides."),
+    regime: Optional[str] = typer.Option(None, help="regression | mixed | distill | cartridges"),
+    set_: list[str] = typer.Option([], "--set", help="Override, e.g. --set train.module.rho=0.05"),
+    run_dir: Optional[str] = typer.Option(None, "--run-dir", help="Run directory (default runs/<doc-id>/<run-id>)."),
+    from_stage: Optional[str] = typer.Option(None, "--from", help="Re-run this stage and everything after it."),
+    only_stage: Optional[str] = typer.Option(None, "--only", help="Re-run only this stage on existing inputs."),
+    force: bool = typer.Option(False, "--force", help="Ignore the cache for every stage."),
+) -> None:
+    """Run the pipeline for one document."""
+    _quiet_prefect()
+    from ..documents import DocumentError
+    from ..layout import ContextTooLongError
+    from ..schemas.presets import ConfigError, load_config
+    from . import flows
+
+    try:
+        load_config(preset, config, regime, set_)  # fail fast, before Prefect starts
+    except ConfigError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2)
+    flows.CONSOLE_PROGRESS = _tqdm_progress
+    try:
+        result = flows.nectar_pipeline(document=document, preset=preset, config_file=config, overrides=list(set_),
+                                       run_dir=run_dir, from_stage=from_stage, only_stage=only_stage, force=force,
+                                       regime=regime)
+    except (DocumentError, ContextTooLongError, ConfigError, ValueError, RuntimeError) as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(1)
+    _print_status(result["run_dir"])
+    typer.echo(result["run_dir"])
+
+
+@app.command()
+def status(run_dir: str = typer.Argument(..., help="A run directory, or a folder of runs (runs/<doc-id>).")) -> None:
+    """Each stage of a run: done / cached / failed / missing, with counts and the last error."""
+    from ..runs import RunDir
+
+    if RunDir(run_dir).exists("run.json"):
+        _print_status(run_dir)
+        return
+    try:
+        from .runs_status import print_runs_status
+    except ImportError:
+        console.print(f"[red]error:[/red] {run_dir} is not a run directory (no run.json)")
+        raise typer.Exit(1)
+    print_runs_status(run_dir)
+
+
+def _print_status(run_dir: str) -> None:
+    from ..orchestrate import available_stages
+    from ..runs import RunDir, stage_status
+    from ..schemas.config import STAGES
+
+    run = RunDir(run_dir)
+    avail = set(available_stages())
+    table = Table(title=f"run {run_dir}")
+    for col in ("stage", "state", "counts", "seconds"):
+        table.add_column(col)
+    colors = {"done": "green", "cached": "cyan", "failed": "red", "missing": "yellow"}
+    for stage in STAGES:
+        if stage not in avail:
+            table.add_row(stage, "[dim]not available[/dim]", "", "")
+            continue
+        st = stage_status(run, stage)
+        counts = ", ".join(f"{k}={v}" for k, v in list(st["counts"].items())[:8])
+        if st["error"]:
+            counts = st["error"].splitlines()[0][:160]
+        table.add_row(stage, f"[{colors[st['state']]}]{st['state']}[/]", counts,
+                      "" if st["duration_s"] is None else f"{st['duration_s']:.1f}")
+    Console().print(table)
+
+
+def main() -> None:  # pragma: no cover
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

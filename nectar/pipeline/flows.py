@@ -1,0 +1,137 @@
+"""Prefect flows: thin wrappers over ``nectar.orchestrate``.
+
+``nectar_pipeline`` is the parent flow (one run per document); each stage runs as the subflow
+``nectar_stage`` named ``<doc-id>-<stage>`` and tagged by document, publishing a counts table, a
+sample of its rows and a progress artifact. ``nectar_stage`` is also deployed on its own so a data
+engineer can re-run one stage of an existing run. Works in ephemeral mode (no server) and against
+a server when PREFECT_API_URL is set.
+"""
+from __future__ import annotations
+
+import re
+import time
+from typing import Any, Callable
+
+from prefect import flow, get_run_logger, tags
+from prefect.artifacts import create_markdown_artifact, create_progress_artifact, create_table_artifact, \
+    update_progress_artifact
+from prefect.runtime import flow_run
+
+from .. import orchestrate
+from ..schemas.config import STAGES
+from ..schemas.presets import load_config
+
+# The CLI sets this to a terminal progress-bar factory; flows also publish Prefect progress.
+CONSOLE_PROGRESS: Callable[[str], Callable[[int, int], None]] | None = None
+
+
+def _key(*parts: str) -> str:
+    return re.sub(r"[^a-z0-9-]+", "-", "-".join(parts).lower()).strip("-")[:100]
+
+
+def _prefect_progress(doc_id: str) -> Callable[[str], Callable[[int, int], None]]:
+    def factory(stage: str) -> Callable[[int, int], None]:
+        state = {"id": None, "last": 0.0}
+        console = CONSOLE_PROGRESS(stage) if CONSOLE_PROGRESS else None
+
+        def update(done: int, total: int) -> None:
+            if console:
+                console(done, total)
+            pct = 100.0 * done / max(total, 1)
+            now = time.monotonic()
+            try:
+                if state["id"] is None:
+                    state["id"] = create_progress_artifact(
+                        progress=pct, key=_key(doc_id, stage, "progress"),
+                        description=f"{stage}: {done}/{total}")
+                elif now - state["last"] > 2.0 or done >= total:  # throttle API calls
+                    update_progress_artifact(state["id"], progress=pct, description=f"{stage}: {done}/{total}")
+                else:
+                    return
+                state["last"] = now
+            except Exception:  # progress must never fail a stage
+                pass
+
+        return update
+
+    return factory
+
+
+def _publish(ctx: orchestrate.RunContext, stage: str, outcome) -> None:
+    counts = outcome.manifest.counts
+    rows = [{"metric": k, "value": v} for k, v in counts.items()]
+    rows.insert(0, {"metric": "status", "value": outcome.status})
+    rows.append({"metric": "duration_s", "value": outcome.manifest.duration_s})
+    create_table_artifact(key=_key(ctx.doc_id, stage, "counts"), table=rows,
+                          description=f"{ctx.doc_id} · {stage} · {outcome.status}")
+    samples = orchestrate.stage_samples(ctx, stage)
+    if samples:
+        create_table_artifact(key=_key(ctx.doc_id, stage, "sample"), table=samples,
+                              description=f"{ctx.doc_id} · {stage} · first rows")
+    for name, table in orchestrate.stage_extra_tables(ctx, stage).items():
+        create_table_artifact(key=_key(ctx.doc_id, stage, name), table=table,
+                              description=f"{ctx.doc_id} · {stage} · {name}")
+
+
+def _publish_failure(ctx: orchestrate.RunContext, stage: str, exc: BaseException) -> None:
+    rerun = f"nectar run {ctx.info.source_uri} --run-dir {ctx.run.root} --only {stage}"
+    try:
+        create_markdown_artifact(
+            key=_key(ctx.doc_id, stage, "error"),
+            markdown=f"### {stage} failed\n\n```\n{type(exc).__name__}: {exc}\n```\n\nFix the cause, then re-run:\n\n"
+                     f"```\n{rerun}\n```\n(or trigger the `nectar-stage` deployment with run_dir and stage)",
+            description=f"{ctx.doc_id} · {stage} · failed")
+    except Exception:
+        pass
+
+
+@flow(name="nectar-stage", log_prints=True)
+def nectar_stage(run_dir: str, stage: str, force: bool = True) -> dict[str, Any]:
+    """Run one stage of an existing run directory (re-runs it when ``force``)."""
+    if stage not in STAGES:
+        raise ValueError(f"unknown stage {stage!r}; stages are {', '.join(STAGES)}")
+    ctx = orchestrate.open_run(run_dir)
+    ctx.progress = _prefect_progress(ctx.doc_id)
+    logger = get_run_logger()
+    with tags("nectar", f"doc:{ctx.doc_id}", f"stage:{stage}"):
+        try:
+            outcome = orchestrate.STAGE_RUNNERS[stage](ctx, force)
+        except BaseException as exc:
+            _publish_failure(ctx, stage, exc)
+            raise
+    logger.info("%s %s: %s %s", ctx.doc_id, stage, outcome.status, outcome.manifest.counts)
+    _publish(ctx, stage, outcome)
+    return {"stage": stage, "status": outcome.status, "counts": outcome.manifest.counts}
+
+
+def _pipeline_run_name() -> str:
+    params = flow_run.parameters or {}
+    doc = str(params.get("document", "document")).rstrip("/").split("/")[-1].split(":")[-1]
+    return f"{_key(doc) or 'document'}-pipeline"
+
+
+@flow(name="nectar-pipeline", flow_run_name=_pipeline_run_name, log_prints=True)
+def nectar_pipeline(
+    document: str,
+    preset: str = "cpu",
+    config_file: str | None = None,
+    overrides: list[str] | None = None,
+    run_dir: str | None = None,
+    from_stage: str | None = None,
+    only_stage: str | None = None,
+    force: bool = False,
+    regime: str | None = None,
+) -> dict[str, Any]:
+    """chunk → synthesize → verify → targets → train → evaluate for one document."""
+    config = load_config(preset, config_file, regime, overrides or [])
+    plan = orchestrate.plan_stages(from_stage, only_stage, force)
+    if only_stage and run_dir:
+        ctx = orchestrate.open_run(run_dir)
+    else:
+        ctx = orchestrate.prepare_run(document, config, run_dir)
+    results = {}
+    with tags("nectar", f"doc:{ctx.doc_id}"):
+        for stage, stage_force in plan:
+            runner = nectar_stage.with_options(flow_run_name=f"{ctx.doc_id}-{stage}")
+            results[stage] = runner(run_dir=ctx.run.root, stage=stage, force=stage_force)
+    return {"run_dir": ctx.run.root, "doc_id": ctx.doc_id, "stages": results}
