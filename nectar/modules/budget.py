@@ -1,0 +1,156 @@
+"""Parameter budgets (DESIGN.md §6, paper App. A.4 "Capacity allocation").
+
+ρ is a fraction of one KV head's document cache, 2·n·d entries, so a module at ρ has
+ρ·2·n·d parameters per (layer, KV head). Layers are split into contiguous groups with multipliers
+(default 1, 2, 5, 2), normalised so the mean ρ over layers stays the configured ρ.
+
+MLP widths are solved from the budget: for a fixed depth the parameter count is a quadratic in
+the width w, so w is the largest integer whose network still fits (the exact count is reported).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+class BudgetError(ValueError):
+    """A budget too small for the requested architecture (names the budget and the minimum)."""
+
+
+def layer_groups(num_layers: int, num_groups: int) -> list[int]:
+    """Group index of each layer: contiguous groups whose sizes differ by at most one."""
+    base, extra = divmod(num_layers, num_groups)
+    groups: list[int] = []
+    for g in range(num_groups):
+        groups += [g] * (base + (1 if g < extra else 0))
+    return groups
+
+
+def layer_rhos(num_layers: int, rho: float, multipliers: tuple[float, ...]) -> list[float]:
+    """Per-layer ρ_ℓ = ρ · mult(group(ℓ)) / mean(mult over layers), so mean_ℓ ρ_ℓ = ρ."""
+    if not multipliers or any(m <= 0 for m in multipliers):
+        raise BudgetError(f"layer_multipliers must be positive, got {multipliers}")
+    raw = [multipliers[g] for g in layer_groups(num_layers, len(multipliers))]
+    scale = rho * num_layers / sum(raw)
+    return [r * scale for r in raw]
+
+
+def head_budget(rho_layer: float, n_context: int, head_dim: int) -> int:
+    """Parameters one (layer, KV head) may use: ρ_ℓ · 2·n·d (floored)."""
+    return int(math.floor(rho_layer * 2 * n_context * head_dim))
+
+
+@dataclass(frozen=True)
+class SkipMLPShape:
+    """One input-re-injecting MLP (paper eq. mlp-backbone), the same for every head of a layer.
+
+    depth = number of hidden layers (h_0 … h_{depth-1}); out_dim None = no output layer (backbone);
+    depth 0 with an output = a single affine map of the input.
+    """
+
+    in_dim: int
+    q_dim: int
+    width: int
+    depth: int
+    out_dim: int | None
+    layer_norm: bool = False
+
+    @property
+    def out_features(self) -> int:
+        if self.out_dim is not None:
+            return self.out_dim
+        return self.width if self.depth > 0 else self.in_dim
+
+    def n_params(self) -> int:
+        return skip_mlp_params(self.in_dim, self.q_dim, self.width, self.depth, self.out_dim,
+                               self.layer_norm)
+
+
+def skip_mlp_params(in_dim: int, q_dim: int, width: int, depth: int, out_dim: int | None,
+                    layer_norm: bool) -> int:
+    if depth == 0:
+        return 0 if out_dim is None else in_dim * out_dim + out_dim
+    p = in_dim * width + width  # U_0, b_0
+    p += (depth - 1) * (q_dim * width + width * width + width)  # V_k, U_k, b_k
+    if layer_norm:
+        p += depth * 2 * width  # gain and bias per hidden layer
+    if out_dim is not None:
+        p += width * out_dim + out_dim  # affine output layer
+    return p
+
+
+def solve_width(budget: int, in_dim: int, q_dim: int, depth: int, out_dim: int | None,
+                layer_norm: bool, what: str) -> int:
+    """Largest width w ≥ 1 whose network has at most ``budget`` parameters."""
+    if depth == 0:
+        return 0
+    # params(w) = a·w² + b·w + c with a = depth-1 (hidden-to-hidden maps).
+    a = depth - 1
+    b = in_dim + 1 + (depth - 1) * (q_dim + 1) + (2 * depth if layer_norm else 0) + (out_dim or 0)
+    c = (out_dim or 0) - budget
+    w = -c / b if a == 0 else (-b + math.sqrt(b * b - 4 * a * c)) / (2 * a)
+    w = max(1, int(math.floor(w)) + 1)
+    # Float rounding: step down until it fits (exact integer check).
+    while w > 1 and skip_mlp_params(in_dim, q_dim, w, depth, out_dim, layer_norm) > budget:
+        w -= 1
+    need = skip_mlp_params(in_dim, q_dim, 1, depth, out_dim, layer_norm)
+    if need > budget:
+        raise BudgetError(
+            f"{what}: a depth-{depth} network needs at least {need} parameters per head (width 1) "
+            f"but the budget is {budget}; raise train.module.rho, lower the depth, or use a "
+            "longer document"
+        )
+    return w
+
+
+@dataclass(frozen=True)
+class MLPLayerShapes:
+    backbone: SkipMLPShape
+    score: SkipMLPShape
+    target: SkipMLPShape
+
+    def n_params(self) -> int:
+        return self.backbone.n_params() + self.score.n_params() + self.target.n_params()
+
+
+def mlp_layer_shapes(budget: int, head_dim: int, depths: tuple[int, int, int], score_fraction: float,
+                     layer_norm: bool, layer: int) -> MLPLayerShapes:
+    """Split a head's budget into backbone / score / target and solve each width.
+
+    The backbone (if any) takes the share D_b / (D_b + D_s + D_t); the rest is split
+    score_fraction : 1 - score_fraction between the score and target heads (paper App. D: 10/90).
+    """
+    d_b, d_s, d_t = depths
+    if min(depths) < 0:
+        raise BudgetError(f"module depths must be ≥ 0, got {depths}")
+    if not 0.0 < score_fraction < 1.0:
+        raise BudgetError(f"score_fraction must be in (0, 1), got {score_fraction}")
+    backbone_budget = budget * d_b // max(1, d_b + d_s + d_t)
+    w_b = solve_width(backbone_budget, head_dim, head_dim, d_b, None, layer_norm,
+                      f"layer {layer} backbone") if d_b else 0
+    backbone = SkipMLPShape(head_dim, head_dim, w_b, d_b, None, layer_norm)
+    rest = budget - backbone.n_params()
+    h_dim = backbone.out_features
+    score_budget = int(rest * score_fraction)
+    w_s = solve_width(score_budget, h_dim, head_dim, d_s, 1, layer_norm, f"layer {layer} score head")
+    w_t = solve_width(rest - score_budget, h_dim, head_dim, d_t, head_dim, layer_norm,
+                      f"layer {layer} target head")
+    shapes = MLPLayerShapes(backbone, SkipMLPShape(h_dim, head_dim, w_s, d_s, 1, layer_norm),
+                            SkipMLPShape(h_dim, head_dim, w_t, d_t, head_dim, layer_norm))
+    if shapes.n_params() > budget:  # depth-0 heads are affine and can't shrink
+        raise BudgetError(f"layer {layer}: the smallest ({d_b}, {d_s}, {d_t}) module has "
+                          f"{shapes.n_params()} parameters per head, over the budget of {budget}")
+    return shapes
+
+
+def quadrature_pairs(budget: int, head_dim: int, n_context: int, layer: int) -> int:
+    """p = P / (2d) pairs (W, Z) per head, at least 1 and at most n (they start as document rows)."""
+    p = budget // (2 * head_dim)
+    if p < 1:
+        raise BudgetError(f"layer {layer}: a quadrature head needs at least {2 * head_dim} parameters "
+                          f"(one (W, Z) pair) but the budget is {budget}; raise train.module.rho")
+    if p > n_context:
+        raise BudgetError(f"layer {layer}: budget gives p={p} quadrature pairs, more than the "
+                          f"document's n={n_context} tokens they are initialised from; lower rho "
+                          "(per-layer rho above 1 exceeds the KV cache itself)")
+    return p

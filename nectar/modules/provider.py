@@ -1,0 +1,55 @@
+"""The module as a document-state provider for ``nectar.attention`` (DESIGN.md §2, "Blend").
+
+The attention core asks ``provider(layer, q [b, hq, m, d], scaling)`` for the document's state per
+query head; a module predicts it per KV head, so query heads are grouped by the KV head they
+read (GQA: query head h reads KV head h // g) and folded into the module's token axis.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..attention.state import AttnState
+from .builder import NectarModule
+
+
+class ModuleDocState:
+    """Provider: (A_θ(q), a_θ(q)) in place of the document's (A, α). Differentiable."""
+
+    def __init__(self, module: NectarModule):
+        self.module = module
+
+    def __call__(self, layer: int, q: torch.Tensor, scaling: float) -> AttnState:
+        m = self.module
+        if not math.isclose(scaling, m.scaling, rel_tol=1e-5):
+            raise ValueError(f"layer {layer}: attention scaling {scaling} differs from the module's "
+                             f"{m.scaling}; the module was trained for another model")
+        b, hq, t, d = q.shape
+        hkv = m.num_kv_heads
+        if hq % hkv or d != m.head_dim:
+            raise ValueError(f"queries [b, {hq}, m, {d}] don't fit a module with {hkv} KV heads of "
+                             f"dim {m.head_dim}")
+        g = hq // hkv
+        param = next(m.parameters())
+        qf = q.to(param.dtype).reshape(b, hkv, g, t, d).permute(0, 2, 3, 1, 4).reshape(b * g * t, hkv, d)
+        A, a = m.predict(layer, qf)  # [b·g·t, hkv, d], [b·g·t, hkv]
+        out = A.reshape(b, g, t, hkv, d).permute(0, 3, 1, 2, 4).reshape(b, hq, t, d)  # [b, hq, m, d]
+        lse = a.reshape(b, g, t, hkv).permute(0, 3, 1, 2).reshape(b, hq, t)  # [b, hq, m]
+        return AttnState(out.float(), lse.float())
+
+
+def group_queries(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """Targets layout → module layout: q [T, Hq, d] → [T·g, Hkv, d] (query head h → KV head h // g)."""
+    T, hq, d = q.shape
+    g = hq // num_kv_heads
+    return q.reshape(T, num_kv_heads, g, d).permute(0, 2, 1, 3).reshape(T * g, num_kv_heads, d)
+
+
+def ungroup(x: torch.Tensor, num_q_heads: int) -> torch.Tensor:
+    """Inverse of ``group_queries`` for [T·g, Hkv, …] → [T, Hq, …]."""
+    hkv = x.shape[1]
+    g = num_q_heads // hkv
+    T = x.shape[0] // g
+    rest = x.shape[2:]
+    return x.reshape(T, g, hkv, *rest).transpose(1, 2).reshape(T, num_q_heads, *rest)
