@@ -111,17 +111,26 @@ class ExactDocState:
         self.doc_kv = doc_kv
         self.chunk_size = chunk_size
         device = doc_kv.keys[0].device
-        self.use_flash = backend == "flash" or (backend == "auto" and flash_available(device))
+        # flash: the flash-attn package; fused: torch's own flash kernel (CUDA, returns the lse too);
+        # torch: exact chunked float32 math (CPU, and the reference the others are tested against).
+        if backend == "auto":
+            backend = "flash" if flash_available(device) else "fused" if device.type == "cuda" else "torch"
+        if backend in ("flash", "fused") and device.type != "cuda":
+            raise ValueError(f"attention backend {backend!r} needs CUDA; use 'torch' on {device.type}")
+        self.backend = backend
 
     def __call__(self, layer: int, q: torch.Tensor, scaling: float) -> AttnState:
-        if self.use_flash:
+        if self.backend == "flash":
             return self._flash(layer, q, scaling)
         b, hq, m, d = q.shape
         k, v = self.doc_kv.keys[layer], self.doc_kv.values[layer]  # [hkv, n, d]
         hkv = k.shape[0]
         g = hq // hkv
         qf = q.reshape(b, hkv, g, m, d).permute(1, 2, 0, 3, 4).reshape(1, hkv, g * b * m, d)
-        st = attention_state(qf, k.unsqueeze(0), v.unsqueeze(0), scaling, chunk_size=self.chunk_size)
+        if self.backend == "fused":
+            st = _fused_state(qf, k.unsqueeze(0), v.unsqueeze(0), scaling)
+        else:
+            st = attention_state(qf, k.unsqueeze(0), v.unsqueeze(0), scaling, chunk_size=self.chunk_size)
         out = st.out.reshape(hkv, g, b, m, d).permute(2, 0, 1, 3, 4).reshape(b, hq, m, d)  # [b, hq, m, d]
         lse = st.lse.reshape(hkv, g, b, m).permute(2, 0, 1, 3).reshape(b, hq, m)  # [b, hq, m]
         return AttnState(out, lse)
@@ -140,3 +149,11 @@ class ExactDocState:
         out = out.reshape(b, m, hq, d).permute(0, 2, 1, 3).float()  # [b, hq, m, d]
         lse = lse.reshape(hq, b, m).permute(1, 0, 2).float()  # flash lse is [1, hq, b*m]
         return AttnState(out, lse)
+
+
+def _fused_state(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> AttnState:
+    """torch's fused flash kernel on CUDA; q [1, h, M, d], k/v [1, h, n, d] (same head count)."""
+    dtype = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+        q.to(dtype), k.to(dtype), v.to(dtype), 0.0, False, False, scale=scaling)[:2]
+    return AttnState(out.float(), lse.float())  # [1, h, M, d], [1, h, M]

@@ -28,8 +28,8 @@ class ModelConfig(FrozenConfig):
     # times yarn_factor when set).
     max_context_tokens: int | None = None
     device: str = resource("auto")
-    # "auto": flash-attn on CUDA when installed, else exact torch math.
-    attention_backend: Literal["auto", "torch", "flash"] = resource("auto")
+    # "auto": flash-attn on CUDA when installed, else torch's fused kernel on CUDA, else exact torch math.
+    attention_backend: Literal["auto", "torch", "fused", "flash"] = resource("auto")
 
 
 class LLMConfig(FrozenConfig):
