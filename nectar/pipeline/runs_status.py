@@ -10,8 +10,6 @@ so it works on any fsspec URL, with or without a Prefect server, and while a run
 """
 from __future__ import annotations
 
-import importlib.util
-import json
 import shlex
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -19,17 +17,16 @@ from typing import Any, Iterable
 import fsspec
 
 from ..runs import RunDir
-from ..schemas.artifacts import RunManifest, StageManifest
+from ..runs import stage_status as runs_stage_status
+from ..schemas.artifacts import RunManifest
 from ..schemas.config import STAGES
 from ..tables import ArtifactError, read_json_artifact
 
-# done: manifest present (completed, possibly by an earlier invocation)
-# cached: completed, and the latest invocation skipped it (only when the run records outcomes)
-# failed: error.json present and no manifest
-# partial: the stage folder exists without manifest or error (running now, or killed mid-stage)
-# missing: nothing yet; not available: this install has no implementation of the stage
+# done: completed by its latest invocation; cached: completed earlier, the latest invocation skipped it
+# failed: its latest invocation raised (error.json holds the message and a short traceback)
+# partial: the stage folder exists with no manifest and no error (running now, or killed mid-stage)
+# missing: nothing yet; not available: this build has no implementation of the stage
 STATES = ("done", "cached", "failed", "partial", "missing", "not available")
-OUTCOME_FILE = "outcome.json"  # optional {"status": "done"|"cached", "at": ...} per invocation
 
 
 @dataclass(frozen=True)
@@ -78,11 +75,16 @@ class RunStatus:
 
 
 def available_stages() -> set[str]:
-    """Stages this install implements (a module ``nectar.stages.<stage>`` exists)."""
-    return {s for s in STAGES if importlib.util.find_spec(f"nectar.stages.{s}") is not None}
+    """Stages this build implements (the orchestrator's list)."""
+    from ..orchestrate import available_stages as implemented
+
+    return set(implemented())
 
 
-def rerun_command(run_dir: str, stage: str) -> str:
+def rerun_command(run_dir: str, stage: str, source_uri: str | None = None) -> str:
+    """The command that re-runs one stage on the run's existing inputs (config from its run.json)."""
+    if source_uri and source_uri != "?":
+        return f"nectar run {shlex.quote(source_uri)} --run-dir {shlex.quote(run_dir)} --only {stage}"
     return f"nectar rerun {shlex.quote(run_dir)} {stage}"
 
 
@@ -102,39 +104,30 @@ def find_runs(root: str, max_depth: int = 2) -> list[RunDir]:
     return found
 
 
-def _read_outcome(run: RunDir, stage: str) -> str | None:
-    if not run.exists(stage, OUTCOME_FILE):
-        return None
-    with run.fs.open(run.local_path(stage, OUTCOME_FILE), "r") as f:
-        return json.load(f).get("status")
-
-
-def stage_status(run: RunDir, stage: str, available: set[str]) -> StageStatus:
-    rerun = rerun_command(run.root, stage)
-    manifest: StageManifest | None = run.read_manifest(stage)
-    if manifest is not None:
-        state = "cached" if _read_outcome(run, stage) == "cached" else "done"
-        return StageStatus(stage, state, dict(manifest.counts), manifest.finished_at,
-                           manifest.duration_s, rerun=rerun)
-    error = run.read_error(stage)
-    if error is not None:
-        return StageStatus(stage, "failed", error=str(error.get("error", "")),
-                           error_at=error.get("at"), rerun=rerun)
-    if stage not in available:
-        return StageStatus(stage, "not available")
-    state = "partial" if run.exists(stage) else "missing"
-    return StageStatus(stage, state, rerun=rerun if state == "partial" else None)
+def stage_status(run: RunDir, stage: str, available: set[str], source_uri: str | None = None) -> StageStatus:
+    st = runs_stage_status(run, stage)  # done / cached / failed / missing, from the run directory
+    state, rerun = st["state"], rerun_command(run.root, stage, source_uri)
+    if state == "missing":
+        if stage not in available:
+            return StageStatus(stage, "not available")
+        if not run.exists(stage):
+            return StageStatus(stage, "missing")
+        state = "partial"
+    error = run.read_error(stage) if state == "failed" else None
+    return StageStatus(stage, state, dict(st["counts"]), st["finished_at"], st["duration_s"],
+                       error=st["error"], error_at=(error or {}).get("at"), rerun=rerun)
 
 
 def run_status(run: RunDir, available: set[str] | None = None) -> RunStatus:
     available = available_stages() if available is None else available
-    stages = tuple(stage_status(run, s, available) for s in STAGES)
     parts = run.root.rstrip("/").split("/")
     try:
         info = read_json_artifact(run.url("run.json"), RunManifest)
     except ArtifactError as exc:
+        stages = tuple(stage_status(run, s, available) for s in STAGES)
         return RunStatus(run.root, parts[-2] if len(parts) > 1 else "?", parts[-1], "?", None,
                          None, stages, problem=str(exc))
+    stages = tuple(stage_status(run, s, available, info.source_uri) for s in STAGES)
     return RunStatus(run.root, info.doc_id, info.run_id, info.source_uri,
                      info.config.get("preset"), info.created_at, stages)
 
@@ -190,8 +183,14 @@ def render(statuses: Iterable[RunStatus], console=None) -> None:
         failed = status.last_error
         if failed is not None:
             console.print(f"[bold red]{failed.stage} failed[/] at {failed.error_at}: {failed.error_summary}")
-            console.print(f"  re-run it: [bold]{failed.rerun}[/]")
+            console.print(f"  fix the cause, then re-run it: [bold]{failed.rerun}[/]")
+            console.print(f"  or on a worker: [bold]{rerun_command(status.run_dir, failed.stage)}[/]")
         console.print()
+
+
+def print_runs_status(root: str, console=None) -> None:
+    """``nectar status DIR`` for a folder of runs (or one run)."""
+    render(collect(root), console)
 
 
 def status_json(statuses: Iterable[RunStatus]) -> list[dict[str, Any]]:

@@ -61,13 +61,15 @@ def test_states_counts_and_last_error_across_runs_of_a_document(root):
     assert second.state == "failed"
     assert second.stages[1].state == "failed"
     assert "Connection refused" in second.last_error.error_summary
-    assert second.last_error.rerun == f"nectar rerun {bad.root} synthesize"
+    assert second.last_error.rerun == (
+        f"nectar run /docs/manual-1234abcd.txt --run-dir {bad.root} --only synthesize")
 
     out = io.StringIO()
     render(statuses, Console(file=out, width=200, color_system=None))
     text = out.getvalue()
     assert "synthesize failed" in text and "ConnectionError: Connection refused" in text
-    assert f"nectar rerun {bad.root} synthesize" in text
+    assert f"--run-dir {bad.root} --only synthesize" in text
+    assert f"nectar rerun {bad.root} synthesize" in text  # the same through the stage deployment
     assert "chunks=5" in text
 
 
@@ -76,6 +78,19 @@ def test_root_of_all_documents_and_single_run_dir(root):
     make_run(root, "doc-b", "r1")
     assert [r.root for r in find_runs(root)] == [f"{root}/doc-a/r1", f"{root}/doc-b/r1"]
     assert [r.root for r in find_runs(a.root)] == [a.root]
+
+
+def test_cached_stage_and_retry_after_failure(root):
+    run = make_run(root, "doc", "r1")
+    run_stage(run, "chunk", {"words": 3}, {"document": "h"}, chunk_body(3))
+    with pytest.raises(ConnectionError):
+        run_stage(run, "synthesize", {"llm": "x"}, {"chunks": "h"}, failing_body)
+    # The retry: chunk is a cache hit, synthesize (cause fixed) completes.
+    run_stage(run, "chunk", {"words": 3}, {"document": "h"}, chunk_body(3))
+    run_stage(run, "synthesize", {"llm": "y"}, {"chunks": "h"}, chunk_body(2))
+    status = collect(run.root, available=ALL)[0]
+    assert [s.state for s in status.stages[:3]] == ["cached", "done", "missing"]
+    assert status.last_error is None
 
 
 def test_partial_stage_and_not_available_stage(root):
@@ -104,4 +119,4 @@ def test_missing_directory_is_a_clear_error(tmp_path):
 
 def test_available_stages_reflects_installed_stage_modules():
     assert available_stages() <= ALL
-    assert "chunk" in available_stages()  # nectar/stages/chunk.py ships with the foundation
+    assert {"chunk", "synthesize", "verify"} <= available_stages()
