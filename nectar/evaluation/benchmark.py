@@ -1,0 +1,185 @@
+"""The generation benchmark (paper App. F): TTFT, decode tokens/s and peak memory against n.
+
+Three systems answer the same prompt after a document of n tokens:
+  module       the module stands in for the document; nothing is prefilled
+  full_cold    the document is prefilled first (its KV computed), then the prompt is answered
+  full_cached  the document's KV is already there (prefix cache); only the prompt is run
+All three use the same query-only forward (nectar.attention.run.generate); only the document
+provider differs (module vs ExactDocState over the KV cache), so the ratio isolates the document.
+Decoding is greedy and never stops early, so every system decodes exactly ``new_tokens`` tokens.
+Documents of each length are the run's document tokens tiled (repeated) and truncated to n.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from ..attention.prefix import DocKV, ExactDocState, prefill_document
+from ..attention.run import GenerationResult, generate
+from ..models import BaseModel
+from ..modules.budget import BudgetError
+from ..modules.builder import ModulePlan, build_module, plan_module
+from ..modules.provider import ModuleDocState
+from .memory import track_peak_memory
+from .rows import BenchmarkRow
+
+BENCH_PROMPT = "Summarize the document in two sentences."
+
+
+@dataclass
+class BenchModule:
+    """A module to time at one document length: its provider, its size and how it was made."""
+
+    provider: Callable
+    state_bytes: int
+    note: str
+
+
+ModuleFactory = Callable[[int, Sequence[int]], BenchModule]  # (n, context ids) → module
+
+
+class BenchmarkError(ValueError):
+    pass
+
+
+@dataclass
+class BenchmarkResult:
+    rows: list[BenchmarkRow]
+    skipped: list[str]  # lengths whose module could not be built, with the reason
+
+
+def context_of_length(context_ids: Sequence[int], n: int) -> list[int]:
+    """The document's token ids repeated and truncated to exactly n tokens."""
+    if not context_ids:
+        raise BenchmarkError("the run's document has no tokens to build benchmark contexts from")
+    reps = -(-n // len(context_ids))
+    return (list(context_ids) * reps)[:n]
+
+
+def same_architecture(base: BaseModel, plan: ModulePlan, seed: int = 0) -> ModuleFactory:
+    """Modules of ``plan``'s architecture re-planned for each n (the per-layer ρ_ℓ kept, so the
+    budget scales with n), with *random* initial weights: their cost is what is timed, not their
+    answers. Quadrature modules start from the first p document keys/values, as in training."""
+
+    def make(n: int, context_ids: Sequence[int]) -> BenchModule:
+        # One "group" per layer with the trained per-layer rho as multiplier reproduces rho_l exactly.
+        p = plan_module(plan.arch, plan.num_layers, plan.num_kv_heads, plan.head_dim, n, plan.scaling,
+                        plan.rho, tuple(plan.layer_rhos), plan.score_fraction, tuple(plan.depths),
+                        plan.residual, plan.layer_norm, plan.normalize_targets)
+        keys = values = None
+        if p.arch == "quadrature":
+            kv = prefill_document(base, list(context_ids)[: max(p.quad_pairs)])
+            keys, values = kv.keys, kv.values
+        module = build_module(p, keys, values, seed=seed).to(base.device).eval()
+        nbytes = sum(t.numel() * t.element_size() for t in module.state_dict().values())
+        note = f"random-init {p.arch} module of the same architecture (rho={p.rho:g}); timing only"
+        return BenchModule(ModuleDocState(module), nbytes, note)
+
+    return make
+
+
+def _timed_generate(base: BaseModel, provider, n: int, prompt: list[int], new_tokens: int) -> GenerationResult:
+    return generate(base, provider, n, [prompt], max_new_tokens=new_tokens, temperature=0.0, stop_ids=())
+
+
+def _row(n, system, ttfts, rates, peak, method, state_bytes, prompt, new_tokens, device, note):
+    return BenchmarkRow(n_context=n, system=system, ttft_s=statistics.median(ttfts),
+                        decode_tok_s=statistics.median(rates), peak_memory_bytes=peak,
+                        memory_method=method, state_bytes=state_bytes, prompt_tokens=len(prompt),
+                        new_tokens=new_tokens, repeats=len(ttfts), device=str(device), note=note)
+
+
+def bench_length(base: BaseModel, context_ids: Sequence[int], n: int, prompt: list[int],
+                 module_for: ModuleFactory, new_tokens: int, repeats: int = 1) -> list[BenchmarkRow]:
+    """Measure the three systems at document length n (module first, so no KV is resident)."""
+    if n + len(prompt) + new_tokens > base.max_context_tokens:
+        raise BenchmarkError(
+            f"benchmark length n={n} plus {len(prompt)} prompt and {new_tokens} new tokens exceeds the "
+            f"model's window of {base.max_context_tokens} tokens; lower evaluate.benchmark_lengths")
+    ctx = context_of_length(context_ids, n)
+    dev = base.device
+    rows = []
+    mod = module_for(n, ctx)
+    ttfts, rates = [], []
+    with track_peak_memory(dev) as pm:
+        for _ in range(repeats):
+            res = _timed_generate(base, mod.provider, n, prompt, new_tokens)
+            ttfts.append(res.ttft_s)
+            rates.append(res.decode_tok_s)
+    rows.append(_row(n, "module", ttfts, rates, pm.peak_bytes, pm.method, mod.state_bytes, prompt,
+                     new_tokens, dev, mod.note))
+    del mod
+
+    ttfts, rates = [], []
+    with track_peak_memory(dev) as pm:
+        for _ in range(repeats):
+            kv = None  # drop the previous repeat's KV before prefilling again
+            t0 = time.perf_counter()
+            kv = prefill_document(base, ctx)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            prefill_s = time.perf_counter() - t0
+            res = _timed_generate(base, ExactDocState(kv), n, prompt, new_tokens)
+            ttfts.append(prefill_s + res.ttft_s)
+            rates.append(res.decode_tok_s)
+    rows.append(_row(n, "full_cold", ttfts, rates, pm.peak_bytes, pm.method, kv.nbytes(), prompt,
+                     new_tokens, dev, "document prefilled, then the prompt"))
+
+    ttfts, rates = [], []
+    with track_peak_memory(dev) as pm:
+        for _ in range(repeats):
+            res = _timed_generate(base, ExactDocState(kv), n, prompt, new_tokens)
+            ttfts.append(res.ttft_s)
+            rates.append(res.decode_tok_s)
+    rows.append(_row(n, "full_cached", ttfts, rates, pm.peak_bytes, pm.method, kv.nbytes(), prompt,
+                     new_tokens, dev, "document KV already computed (prefix cache)"))
+    return rows
+
+
+def run_benchmark(base: BaseModel, context_ids: Sequence[int], prompt: list[int],
+                  lengths: Sequence[int], module_for: ModuleFactory, new_tokens: int,
+                  repeats: int = 1, progress: Callable[[int, int], None] | None = None
+                  ) -> "BenchmarkResult":
+    """All systems at every length, after one untimed warm-up generation (kernels, allocator)."""
+    if new_tokens < 2:
+        raise BenchmarkError(f"benchmark_new_tokens must be >= 2 to measure decoding, got {new_tokens}")
+    _timed_generate(base, None, min(lengths), prompt, 2)  # warm-up
+    rows: list[BenchmarkRow] = []
+    skipped: list[str] = []
+    for i, n in enumerate(sorted(lengths)):
+        try:
+            rows += bench_length(base, context_ids, n, prompt, module_for, new_tokens, repeats)
+        except BudgetError as exc:  # too small a document for this architecture: say so, go on
+            skipped.append(f"n={n}: {exc}")
+        if progress:
+            progress(i + 1, len(lengths))
+    return BenchmarkResult(rows, skipped)
+
+
+def ratios(rows: Sequence[BenchmarkRow]) -> list[dict[str, float | int]]:
+    """Per n: module vs full cache speed-ups (TTFT: full/module; tok/s and memory: module/full)."""
+    by = {(r.n_context, r.system): r for r in rows}
+    out = []
+    for n in sorted({r.n_context for r in rows}):
+        mod = by.get((n, "module"))
+        if mod is None:
+            continue
+        entry: dict[str, float | int] = {"n_context": n}
+        for sysname in ("full_cold", "full_cached"):
+            full = by.get((n, sysname))
+            if full is None:
+                continue
+            tag = sysname.removeprefix("full_")
+            entry[f"ttft_speedup_vs_{tag}"] = full.ttft_s / mod.ttft_s if mod.ttft_s > 0 else float("nan")
+            entry[f"decode_speedup_vs_{tag}"] = (mod.decode_tok_s / full.decode_tok_s
+                                                  if full.decode_tok_s > 0 else float("nan"))
+            entry[f"peak_memory_ratio_vs_{tag}"] = (full.peak_memory_bytes / mod.peak_memory_bytes
+                                                     if mod.peak_memory_bytes > 0 else float("nan"))
+        entry["state_bytes_ratio"] = (by[(n, "full_cached")].state_bytes / mod.state_bytes
+                                      if (n, "full_cached") in by and mod.state_bytes else float("nan"))
+        out.append(entry)
+    return out

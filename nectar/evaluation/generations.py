@@ -1,0 +1,75 @@
+"""Free-form generations (paper App. G "Generation"): module-plugged vs full-context model.
+
+Both models answer the same held-out instructions with nucleus sampling (p=0.8, T=0.7 by default),
+64 new tokens for QA and 196 otherwise. The full-context model is the same query-only forward with
+the exact document provider over the document KV computed once — no per-instruction re-prefill.
+A pair selected for several splits (a challenge pair is also a test pair) is generated once and
+reported under each split.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from ..attention.run import generate
+from ..layout import PromptLayout
+from ..models import BaseModel
+from ..schemas.artifacts import GenerationRow
+from ..schemas.config import EvaluateConfig
+
+
+@dataclass(frozen=True)
+class GenItem:
+    pair_id: str
+    task: str
+    splits: tuple[str, ...]
+    instruction: str
+    ground_truth: str
+
+
+def max_new_tokens(task: str, cfg: EvaluateConfig) -> int:
+    return cfg.max_new_tokens_qa if task == "qa" else cfg.max_new_tokens_other
+
+
+def _decode(base: BaseModel, tokens: list[int]) -> str:
+    return base.tokenizer.decode(tokens, skip_special_tokens=True).strip()
+
+
+def generate_answers(
+    base: BaseModel,
+    layout: PromptLayout,
+    providers: dict[str, Callable | None],
+    items: list[GenItem],
+    cfg: EvaluateConfig,
+    batch_size: int = 8,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, dict[str, str]]:
+    """{model: {pair_id: answer}} for every provider, batched by generation length."""
+    answers: dict[str, dict[str, str]] = {name: {} for name in providers}
+    by_len: dict[int, list[GenItem]] = {}
+    for it in items:
+        by_len.setdefault(max_new_tokens(it.task, cfg), []).append(it)
+    done, total = 0, len(items) * len(providers)
+    for length, group in sorted(by_len.items()):
+        for lo in range(0, len(group), batch_size):
+            batch = group[lo: lo + batch_size]
+            prompts = [layout.prompt(it.instruction).ids for it in batch]
+            for name, provider in providers.items():
+                res = generate(base, provider, layout.n, prompts, max_new_tokens=length,
+                               temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed + lo)
+                for it, toks in zip(batch, res.tokens):
+                    answers[name][it.pair_id] = _decode(base, toks)
+                done += len(batch)
+                if progress:
+                    progress(done, total)
+    return answers
+
+
+def generation_rows(items: list[GenItem], answers: dict[str, dict[str, str]]) -> list[GenerationRow]:
+    """One row per (split, pair): the instruction, ground truth and both models' answers."""
+    return [
+        GenerationRow(pair_id=it.pair_id, split=split, task=it.task, instruction=it.instruction,
+                      ground_truth=it.ground_truth, module_output=answers["module"][it.pair_id],
+                      full_output=answers["full"][it.pair_id])
+        for it in items for split in it.splits
+    ]

@@ -1,0 +1,114 @@
+"""Report figures as PNG bytes (matplotlib, Agg backend: no display, no external assets).
+
+Each function returns None when there is nothing to plot, so a report never shows an empty axis.
+"""
+from __future__ import annotations
+
+import io
+from typing import Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from ..schemas.artifacts import TrainLogRow  # noqa: E402
+from .rows import BenchmarkRow, PerLayerRow  # noqa: E402
+
+SYSTEM_STYLE = {"module": ("NECTAR module", "tab:green"), "full_cached": ("full KV (prefix-cached)", "tab:blue"),
+                "full_cold": ("full KV (cold prefill)", "tab:red")}
+
+
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def training_curves(log: Sequence[TrainLogRow]) -> bytes | None:
+    if not log:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for split, style in (("train", "-"), ("heldout", "o--")):
+        rows = sorted((r for r in log if r.split == split), key=lambda r: r.samples)
+        if not rows:
+            continue
+        x = [r.samples for r in rows]
+        axes[0].plot(x, [r.loss for r in rows], style, label=f"{split} loss")
+        if any(r.loss_kl for r in rows):
+            axes[0].plot(x, [r.loss_kl for r in rows], style, alpha=0.6, label=f"{split} L_KL")
+        rte = [(r.samples, r.rte_A) for r in rows if r.rte_A is not None]
+        if rte:
+            axes[1].plot(*zip(*rte), style, label=f"{split} RTE (A)")
+    axes[0].set_yscale("log")
+    axes[0].set_xlabel("samples")
+    axes[0].set_title("training loss")
+    axes[1].set_xlabel("samples")
+    axes[1].set_title("relative transport error (App. C)")
+    for ax in axes:
+        if ax.lines:
+            ax.legend(fontsize=8)
+    return _png(fig)
+
+
+def layer_heatmap(rows: Sequence[PerLayerRow], split: str, metric: str = "rte_A") -> bytes | None:
+    sel = [r for r in rows if r.split == split]
+    if not sel:
+        return None
+    L = max(r.layer for r in sel) + 1
+    H = max(r.q_head for r in sel) + 1
+    grid = np.full((L, H), np.nan)
+    for r in sel:
+        grid[r.layer, r.q_head] = getattr(r, metric)
+    fig, ax = plt.subplots(figsize=(min(2 + 0.5 * H, 9), min(1.5 + 0.22 * L, 9)))
+    im = ax.imshow(grid, aspect="auto", cmap="viridis", origin="upper")
+    ax.set_xlabel("query head")
+    ax.set_ylabel("layer")
+    ax.set_title(f"{metric} per layer and head ({split})")
+    fig.colorbar(im, ax=ax)
+    return _png(fig)
+
+
+def judge_scores(summary: Sequence[dict], split: str) -> bytes | None:
+    """Bars of the mean judge score vs ground truth per task, module next to full context."""
+    rows = [r for r in summary if r["split"] == split and r["n_paired"] > 0]
+    if not rows:
+        return None
+    tasks = [r["task"] for r in rows]
+    x = np.arange(len(tasks))
+    fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(tasks), 3.6))
+    for off, key, label, color in ((-0.2, "base", "full context", "tab:blue"),
+                                   (0.2, "module", "NECTAR module", "tab:green")):
+        means = [r[f"{key}_mean"] for r in rows]
+        errs = [0 if np.isnan(r[f"{key}_ci"]) else r[f"{key}_ci"] for r in rows]
+        ax.bar(x + off, means, 0.4, yerr=errs, capsize=3, label=label, color=color)
+    ax.set_xticks(x, tasks)
+    ax.set_ylim(0, 5.5)
+    ax.set_ylabel("judge score vs ground truth (1-5)")
+    ax.set_title(f"judge scores per task ({split}; 95% t-intervals)")
+    ax.legend(fontsize=8)
+    return _png(fig)
+
+
+def benchmark_curves(rows: Sequence[BenchmarkRow]) -> bytes | None:
+    if not rows:
+        return None
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    for system, (label, color) in SYSTEM_STYLE.items():
+        sel = sorted((r for r in rows if r.system == system), key=lambda r: r.n_context)
+        if not sel:
+            continue
+        n = [r.n_context for r in sel]
+        axes[0].plot(n, [r.ttft_s * 1000 for r in sel], "o-", color=color, label=label)
+        axes[1].plot(n, [r.decode_tok_s for r in sel], "o-", color=color, label=label)
+        axes[2].plot(n, [r.peak_memory_bytes / 2**20 for r in sel], "o-", color=color, label=label)
+    for ax, title in zip(axes, ("time to first token (ms)", "decode tokens/s", "peak memory (MiB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("document tokens n")
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+    axes[0].set_yscale("log")
+    return _png(fig)
