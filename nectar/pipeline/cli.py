@@ -66,8 +66,14 @@ def run(
         result = flows.nectar_pipeline(document=document, preset=preset, config_file=config, overrides=list(set_),
                                        run_dir=run_dir, from_stage=from_stage, only_stage=only_stage, force=force,
                                        regime=regime)
-    except (DocumentError, ContextTooLongError, ConfigError, ValueError, RuntimeError) as exc:
+    except (DocumentError, ContextTooLongError, ConfigError) as exc:
         console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2)
+    except Exception as exc:  # a stage failed: its error.json and a re-run hint are in the run dir
+        console.print(f"[red]error:[/red] {type(exc).__name__}: {exc}")
+        if run_dir:
+            _print_status(run_dir)
+        console.print("Fix the cause and run the same command again: completed stages are cached.")
         raise typer.Exit(1)
     _print_status(result["run_dir"])
     typer.echo(result["run_dir"])
