@@ -105,8 +105,11 @@ def benchmark_curves(rows: Sequence[BenchmarkRow]) -> bytes | None:
         axes[0].plot(n, [r.ttft_s * 1000 for r in sel], "o-", color=color, label=label)
         axes[1].plot(n, [r.decode_tok_s for r in sel], "o-", color=color, label=label)
         axes[2].plot(n, [r.peak_memory_bytes / 2**20 for r in sel], "o-", color=color, label=label)
+    ns = sorted({r.n_context for r in rows})
     for ax, title in zip(axes, ("time to first token (ms)", "decode tokens/s", "peak memory (MiB)")):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(ns, [str(n) for n in ns])
+        ax.minorticks_off()
         ax.set_xlabel("document tokens n")
         ax.set_title(title)
         ax.legend(fontsize=8)

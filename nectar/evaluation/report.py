@@ -115,7 +115,8 @@ def report_tables(inputs: ReportInputs) -> dict[str, list[dict[str, Any]]]:
         "headline": headline_table(inputs, judge_rows),
         "metrics": metrics_table(inputs.metrics),
         "judge": judge_rows,
-        "benchmark": [r.model_dump(exclude={"schema_version"}) for r in inputs.benchmark],
+        "benchmark": [{**r.model_dump(exclude={"schema_version"}), "peak_memory_mib": r.peak_memory_bytes / 2**20,
+                       "state_mib": r.state_bytes / 2**20} for r in inputs.benchmark],
         "benchmark_ratios": ratios(inputs.benchmark),
         "per_layer": per_layer_summary(inputs.per_layer),
     }
@@ -224,7 +225,7 @@ def _judge_scores_for(inputs: ReportInputs, g: GenerationRow) -> dict[str, str]:
 
 JUDGE_COLUMNS = ("split", "task", "n_samples", "n_paired", "n_unparsed", "judge_errors", "delta_s",
                  "delta_s_ci", "base_mean", "module_mean", "agreement_mean")
-BENCH_COLUMNS = ("n_context", "system", "ttft_s", "decode_tok_s", "peak_memory_bytes", "state_bytes",
+BENCH_COLUMNS = ("n_context", "system", "ttft_s", "decode_tok_s", "peak_memory_mib", "state_mib",
                  "new_tokens", "note")
 
 

@@ -1,0 +1,71 @@
+"""Judge prompts, the judge adapter's failure handling and the Δs summary."""
+import pytest
+from scipy import stats
+
+from nectar.evaluation.judge import JudgeItem, judge, judge_prompt, judge_summary
+from nectar.evaluation.prompts import COMPARE_PROMPT, RUBRICS, TRUTH_PROMPT
+from nectar.schemas import JudgmentRow
+
+ITEM = JudgeItem("p1", "quoting", ("test", "challenge"), "Quote the line about {generated} oil.",
+                 "barrels of lamp oil", "CHUNK TEXT", "module says lamp oil", "full says lamp oil")
+
+
+def test_prompts_are_the_papers_with_the_task_rubric():
+    p = judge_prompt(ITEM, "module_vs_truth")
+    assert p.startswith("You are an expert evaluator assessing semantic similarity\nbetween a model's response")
+    assert RUBRICS["quoting"] in p and RUBRICS["qa"] not in p
+    assert "<context>\nCHUNK TEXT\n</context>" in p and "module says lamp oil" in p
+    assert "{generated}" in p  # text inside the instruction is not substituted a second time
+    assert '{"score": 1 to 5, "reasoning": "brief explanation"}' in p
+    assert "full says lamp oil" in judge_prompt(ITEM, "base_vs_truth")
+    c = judge_prompt(ITEM, "module_vs_base")
+    assert "CHUNK TEXT" not in c and "<response_a>\nfull says lamp oil\n</response_a>" in c
+    assert "<response_b>\nmodule says lamp oil\n</response_b>" in c
+    assert TRUTH_PROMPT.count("{") - TRUTH_PROMPT.count("{\"") == 5  # five placeholders
+    assert "Score 3: one says 'football' and the other says 'swimming'." in COMPARE_PROMPT
+
+
+def test_unknown_task_is_a_clear_error():
+    bad = JudgeItem("p", "poetry", ("test",), "i", "g", "c", "m", "f")
+    with pytest.raises(ValueError, match="no judge rubric for task 'poetry'"):
+        judge_prompt(bad, "module_vs_truth")
+
+
+def test_judge_records_garbage_and_backend_errors_with_fake_garbage_judge():
+    replies = iter([("not json at all", None), (None, "HTTP 500: server exploded"), ('{"score": 9}', None)])
+    rows = judge(lambda prompts: [next(replies) for _ in prompts], [ITEM])
+    assert len(rows) == 6  # 3 comparisons x 2 splits
+    by = {r.comparison: r for r in rows if r.split == "test"}
+    assert by["module_vs_truth"].score is None and "no JSON object" in by["module_vs_truth"].parse_error
+    assert by["module_vs_truth"].raw == "not json at all"
+    assert by["base_vs_truth"].parse_error == "backend error: HTTP 500: server exploded"
+    assert "out of range" in by["module_vs_base"].parse_error
+    summary = judge_summary(rows)
+    assert {(s["split"], s["task"]) for s in summary} == {("test", "quoting"), ("test", "all"),
+                                                          ("challenge", "quoting"), ("challenge", "all")}
+    assert all(s["n_paired"] == 0 and s["n_unparsed"] == 1 and s["judge_errors"] == 3 for s in summary)
+
+
+def test_judge_rejects_a_backend_that_loses_replies():
+    with pytest.raises(RuntimeError, match="returned 1 replies for 3 prompts"):
+        judge(lambda prompts: [("{}", None)], [JudgeItem("p", "qa", ("test",), "i", "g", "c", "m", "f")])
+
+
+def _rows(split, task, pid, base, module, agree):
+    return [JudgmentRow(pair_id=pid, split=split, task=task, comparison=c, score=s, reasoning="", raw="",
+                        parse_error=None if s is not None else "x")
+            for c, s in (("base_vs_truth", base), ("module_vs_truth", module), ("module_vs_base", agree))]
+
+
+def test_summary_per_task_and_overall_matches_scipy():
+    data = [("qa", "a", 5, 4, 5), ("qa", "b", 4, 2, 3), ("qa", "c", 3, 3, 5), ("summarization", "d", 4, 1, 2),
+            ("summarization", "e", 2, None, 4), ("summarization", "f", 5, 5, 5)]
+    rows = [r for t, pid, b, m, a in data for r in _rows("test", t, pid, b, m, a)]
+    s = {x["task"]: x for x in judge_summary(rows)}
+    assert s["qa"]["delta_s"] == pytest.approx((5 + 4 + 3 - 4 - 2 - 3) / 3)
+    lo, hi = stats.ttest_rel([5, 4, 3], [4, 2, 3]).confidence_interval()
+    assert s["qa"]["delta_s_ci"] == pytest.approx((hi - lo) / 2)
+    assert (s["summarization"]["n_paired"], s["summarization"]["n_unparsed"]) == (2, 1)
+    assert s["all"]["n_paired"] == 5 and s["all"]["delta_s"] == pytest.approx((1 + 2 + 0 + 3 + 0) / 5)
+    assert s["all"]["agreement_mean"] == pytest.approx(24 / 6)
+    assert list(s) == ["qa", "summarization", "all"]
