@@ -26,6 +26,9 @@ UPSTREAM: dict[str, tuple[str, ...]] = {
 }
 
 
+SHARED_DATA_STAGES = ("chunk", "synthesize", "verify", "targets")
+
+
 class StageInputError(RuntimeError):
     """A stage was asked to run before the stages it reads from completed."""
 
@@ -38,9 +41,17 @@ class RunContext:
     info: DocumentInfo
     progress: ProgressFactory
 
+    parent: RunDir | None = None  # sweep variants share the parent run's data stages
+
     @property
     def doc_id(self) -> str:
         return self.info.doc_id
+
+    def stage_run(self, stage: str) -> RunDir:
+        """The run directory holding ``stage``'s outputs (the parent's, for shared data stages)."""
+        if self.parent is not None and stage in SHARED_DATA_STAGES:
+            return self.parent
+        return self.run
 
 
 def _no_progress(stage: str) -> Progress:
@@ -85,7 +96,8 @@ def open_run(run_dir: str, progress: ProgressFactory = _no_progress) -> RunConte
     fs, path = __import__("fsspec").core.url_to_fs(run.url("document", "document.txt"))
     with fs.open(path, "r") as f:
         text = f.read()
-    return RunContext(run, config, text, info, progress)
+    parent = RunDir(manifest.parent_run) if manifest.parent_run else None
+    return RunContext(run, config, text, info, progress, parent)
 
 
 def _code_version() -> str:
@@ -110,7 +122,7 @@ def _base(config: PipelineConfig):
 def _upstream_outputs(ctx: RunContext, stage: str) -> dict[str, str]:
     inputs: dict[str, str] = {"document": ctx.info.sha256}
     for up in UPSTREAM[stage]:
-        manifest = ctx.run.read_manifest(up)
+        manifest = ctx.stage_run(up).read_manifest(up)
         if manifest is None:
             raise StageInputError(
                 f"stage {stage!r} needs the outputs of {up!r}, which has not completed in {ctx.run.root}; "
@@ -183,7 +195,16 @@ def load_run_doc_kv(ctx: RunContext):
     from .attention.prefix import load_doc_kv
 
     base = _base(ctx.config)
-    return load_doc_kv(ctx.run.url("targets", "doc_kv.safetensors"), base, doc_kv_meta(ctx, base))
+    return load_doc_kv(ctx.stage_run("targets").url("targets", "doc_kv.safetensors"), base, doc_kv_meta(ctx, base))
+
+
+def _train_log(ctx: RunContext) -> list:
+    from .schemas.artifacts import TrainLogRow
+
+    try:
+        return read_table(ctx.run.url("train", "train_log.parquet"), TrainLogRow)
+    except ArtifactError:
+        return []
 
 
 def run_targets(ctx: RunContext, force: bool = False) -> StageOutcome:
@@ -221,17 +242,53 @@ def _optional(module: str, func: str) -> Callable | None:
 
 
 def run_train(ctx: RunContext, force: bool = False) -> StageOutcome:
-    impl = _optional("nectar.stages.train", "run_train_stage")
-    if impl is None:
-        raise StageInputError("the train stage is not available in this build")
-    return impl(ctx, force)
+    from .stages.train import TRAIN_OUTPUTS, train
+
+    inputs = _upstream_outputs(ctx, "train")
+
+    def body(url: str):
+        base = _base(ctx.config)
+        doc_kv = load_run_doc_kv(ctx) if ctx.config.train.module.arch == "quadrature" else None
+        counts = train(ctx.stage_run("targets").url("targets"), ctx.config.train, base, doc_kv, url,
+                       progress=ctx.progress("train"))
+        return list(TRAIN_OUTPUTS), counts
+
+    return run_stage(ctx.run, "train", _stage_config(ctx, "train"), inputs, body, force)
 
 
 def run_evaluate(ctx: RunContext, force: bool = False) -> StageOutcome:
-    impl = _optional("nectar.stages.evaluate", "run_evaluate_stage")
-    if impl is None:
-        raise StageInputError("the evaluate stage is not available in this build")
-    return impl(ctx, force)
+    from .evaluation.judge import make_chat
+    from .layout import build_layout
+    from .llm import make_backend
+    from .modules.io import load_module
+    from .stages.evaluate import evaluate
+
+    inputs = _upstream_outputs(ctx, "evaluate")
+    bars: dict[str, Progress] = {}
+
+    def step(name: str, done: int, total: int) -> None:
+        if name not in bars:
+            bars[name] = ctx.progress(f"evaluate:{name}")
+        bars[name](done, total)
+
+    def body(url: str):
+        base = _base(ctx.config)
+        layout = build_layout(base.tokenizer, ctx.text)
+        doc_kv = load_run_doc_kv(ctx)
+        module, spec = load_module(ctx.run.url("train"), base, ctx.info.sha256, device=base.device)
+        upstream = ctx.stage_run("verify")
+        dataset = read_table(upstream.url("verify", "dataset.parquet"), DatasetRow)
+        chunks = read_table(ctx.stage_run("chunk").url("chunk", "chunks.parquet"), ChunkRow)
+        judge = make_chat(make_backend(ctx.config.evaluate.judge, ctx.config.model))
+        result = evaluate(ctx.config.evaluate, base, layout, doc_kv, module, spec,
+                          ctx.stage_run("targets").url("targets"), dataset, chunks, judge, url,
+                          train_log=_train_log(ctx),
+                          title=f"NECTAR · {ctx.doc_id} · {ctx.run.root.rstrip('/').split('/')[-1]}",
+                          facts={"document": ctx.info.source_uri, "run": ctx.run.root}, progress=step)
+        _write_json(f"{url}/tables.json", result["tables"])  # for dashboards and sweeps
+        return [*result["files"], "tables.json"], result["counts"]
+
+    return run_stage(ctx.run, "evaluate", _stage_config(ctx, "evaluate"), inputs, body, force)
 
 
 STAGE_RUNNERS: dict[str, Callable[[RunContext, bool], StageOutcome]] = {
@@ -241,12 +298,7 @@ STAGE_RUNNERS: dict[str, Callable[[RunContext, bool], StageOutcome]] = {
 
 
 def available_stages() -> list[str]:
-    out = ["chunk", "synthesize", "verify", "targets"]
-    if _optional("nectar.stages.train", "run_train_stage"):
-        out.append("train")
-    if _optional("nectar.stages.evaluate", "run_evaluate_stage"):
-        out.append("evaluate")
-    return out
+    return list(STAGES)
 
 
 def plan_stages(from_stage: str | None, only_stage: str | None, force: bool) -> list[tuple[str, bool]]:
@@ -289,11 +341,33 @@ def _short(value: Any, limit: int = 120) -> Any:
 
 
 def stage_extra_tables(ctx: RunContext, stage: str) -> dict[str, list[dict[str, Any]]]:
-    """Further tables a stage publishes (evaluate: headline metrics), by artifact name."""
-    impl = _optional(f"nectar.stages.{stage}", "dashboard_tables")
-    if impl is None:
+    """Further tables a stage publishes (evaluate: headline, metrics, judge), by artifact name."""
+    if stage != "evaluate":
         return {}
-    try:
-        return impl(ctx)
-    except Exception:
+    tables = read_eval_tables(ctx.run)
+    report = ctx.run.url("evaluate", "report.html")
+    if tables.get("headline"):
+        tables["headline"] = [{**row, "report": report} for row in tables["headline"]]
+    return tables
+
+
+def read_eval_tables(run: RunDir) -> dict[str, list[dict[str, Any]]]:
+    import json
+
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(run.url("evaluate", "tables.json"))
+    if not fs.exists(path):
         return {}
+    with fs.open(path, "r") as f:
+        return json.load(f)
+
+
+def _write_json(url: str, data: Any) -> None:
+    import json
+
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(url)
+    with fs.open(path, "w") as f:
+        json.dump(data, f, indent=1, default=str)

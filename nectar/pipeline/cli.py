@@ -80,6 +80,36 @@ def run(
 
 
 @app.command()
+def sweep(
+    document: str = typer.Argument("pydoc:naming"),
+    grid: list[str] = typer.Option(["arch=mlp,quadrature", "regime=regression,mixed,distill"], "--grid",
+                                   help="An axis: key=v1,v2 (arch, rho, lambda_kl, regime or any train.*/evaluate.* key)."),
+    preset: str = typer.Option("cpu"),
+    config: Optional[str] = typer.Option(None, "--config"),
+    set_: list[str] = typer.Option([], "--set"),
+    run_dir: Optional[str] = typer.Option(None, "--run-dir"),
+    force: bool = typer.Option(False, "--force"),
+) -> None:
+    """Train and evaluate every combination of a grid on one document; print one comparison table."""
+    _quiet_prefect()
+    from ..schemas.presets import ConfigError
+    from ..sweep import expand_variants, parse_grid
+    from ..schemas.presets import load_config
+    from . import flows
+
+    try:
+        expand_variants(load_config(preset, config, None, set_), parse_grid(grid))
+    except ConfigError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2)
+    flows.CONSOLE_PROGRESS = _tqdm_progress
+    result = flows.nectar_sweep(document=document, grid=list(grid), preset=preset, config_file=config,
+                                overrides=list(set_), run_dir=run_dir, force=force)
+    typer.echo(result["table"])
+    typer.echo(f"{result['run_dir']}/sweep/comparison.md")
+
+
+@app.command()
 def status(run_dir: str = typer.Argument(..., help="A run directory, or a folder of runs (runs/<doc-id>).")) -> None:
     """Each stage of a run: done / cached / failed / missing, with counts and the last error."""
     from ..runs import RunDir

@@ -135,3 +135,42 @@ def nectar_pipeline(
             runner = nectar_stage.with_options(flow_run_name=f"{ctx.doc_id}-{stage}")
             results[stage] = runner(run_dir=ctx.run.root, stage=stage, force=stage_force)
     return {"run_dir": ctx.run.root, "doc_id": ctx.doc_id, "stages": results}
+
+
+@flow(name="nectar-sweep", flow_run_name=lambda: _pipeline_run_name().replace("-pipeline", "-sweep"),
+      log_prints=True)
+def nectar_sweep(
+    document: str,
+    grid: list[str],
+    preset: str = "cpu",
+    config_file: str | None = None,
+    overrides: list[str] | None = None,
+    run_dir: str | None = None,
+    force: bool = False,
+    regime: str | None = None,
+) -> dict[str, Any]:
+    """Data stages once, then train + evaluate for every grid variant; one comparison table."""
+    from .. import sweep
+
+    config = load_config(preset, config_file, regime, overrides or [])
+    variants = sweep.expand_variants(config, sweep.parse_grid(grid))
+    ctx = orchestrate.prepare_run(document, config, run_dir)
+    rows = []
+    with tags("nectar", f"doc:{ctx.doc_id}", "sweep"):
+        for stage in orchestrate.SHARED_DATA_STAGES:
+            nectar_stage.with_options(flow_run_name=f"{ctx.doc_id}-{stage}")(
+                run_dir=ctx.run.root, stage=stage, force=force)
+        for variant in variants:
+            vctx = sweep.prepare_variant(ctx, variant)
+            for stage in ("train", "evaluate"):
+                nectar_stage.with_options(flow_run_name=f"{ctx.doc_id}-{variant.name}-{stage}")(
+                    run_dir=vctx.run.root, stage=stage, force=force)
+            rows.append(sweep.comparison_row(variant, vctx.run))
+    table_md = sweep.comparison_markdown(rows)
+    fs, path = __import__("fsspec").core.url_to_fs(ctx.run.url("sweep", "comparison.md"))
+    fs.makedirs(fs._parent(path), exist_ok=True)
+    with fs.open(path, "w") as f:
+        f.write(table_md)
+    orchestrate._write_json(ctx.run.url("sweep", "comparison.json"), rows)
+    create_table_artifact(key=_key(ctx.doc_id, "sweep"), table=rows, description=f"{ctx.doc_id} · sweep")
+    return {"run_dir": ctx.run.root, "doc_id": ctx.doc_id, "comparison": rows, "table": table_md}

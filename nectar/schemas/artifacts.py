@@ -107,6 +107,7 @@ class RunManifest(Artifact):
     config: dict[str, Any]
     code_version: str
     created_at: str
+    parent_run: str | None = None  # sweep variants: the run whose data stages (chunk…targets) they share
 
 
 class TargetsHeader(Artifact):

@@ -1,0 +1,127 @@
+"""Sweeps over module architectures, ρ and loss weights on one document (the paper's grid).
+
+The data stages (chunk → targets) run once in the parent run; each variant is a child run directory
+``<parent>/sweep/<variant>/`` holding only its own train and evaluate stages, so a grid of k variants
+costs k trainings, not k pipelines. The comparison table gathers every variant's headline metrics.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+from .orchestrate import RunContext, read_eval_tables
+from .runs import RunDir, now, slug
+from .schemas.artifacts import RunManifest
+from .schemas.base import stable_hash
+from .schemas.config import PipelineConfig
+from .schemas.presets import REGIMES, ConfigError, deep_merge, parse_override
+from .tables import write_json_artifact
+
+# Short grid names for the paper's axes; any dotted config key works too.
+ALIASES = {"arch": "train.module.arch", "rho": "train.module.rho", "lambda_kl": "train.lambda_kl",
+           "lambda_alpha": "train.lambda_alpha", "lambda_A": "train.lambda_A", "depths": "train.module.depths"}
+VARIANT_SECTIONS = ("train", "evaluate")
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    settings: dict[str, Any]  # grid key → value
+    config: PipelineConfig
+
+
+def parse_grid(items: list[str]) -> dict[str, list[str]]:
+    """``["arch=mlp,quadrature", "rho=0.02,0.05"]`` → {"arch": ["mlp", "quadrature"], …}."""
+    grid: dict[str, list[str]] = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"grid axis {item!r} must look like key=v1,v2 (e.g. rho=0.02,0.05)")
+        key, values = item.split("=", 1)
+        grid[key.strip()] = [v.strip() for v in values.split(",") if v.strip()]
+    return grid
+
+
+def expand_variants(base: PipelineConfig, grid: dict[str, list[str]]) -> list[Variant]:
+    """Every combination of the grid, validated; only train/evaluate settings may vary."""
+    keys = list(grid)
+    variants = []
+    for values in itertools.product(*(grid[k] for k in keys)):
+        data = base.model_dump(mode="json")
+        settings = dict(zip(keys, values))
+        for key, value in settings.items():
+            if key == "regime":
+                if value not in REGIMES:
+                    raise ConfigError(f"unknown regime {value!r}; choose one of {sorted(REGIMES)}")
+                data = deep_merge(data, REGIMES[value])
+                continue
+            dotted = ALIASES.get(key, key)
+            if dotted.split(".")[0] not in VARIANT_SECTIONS:
+                raise ConfigError(f"sweep axis {key!r} changes {dotted.split('.')[0]!r}; a sweep shares the data "
+                                  f"stages, so only {VARIANT_SECTIONS} settings may vary")
+            data = deep_merge(data, parse_override(f"{dotted}={value}"))
+        config = PipelineConfig.model_validate(data)
+        name = slug("_".join(f"{k}-{v}" for k, v in settings.items())) or "base"
+        variants.append(Variant(name, settings, config))
+    return variants
+
+
+def prepare_variant(parent: RunContext, variant: Variant) -> RunContext:
+    """A child run directory whose data stages resolve to the parent's."""
+    run = RunDir(parent.run.url("sweep", variant.name))
+    write_json_artifact(run.url("run.json"), RunManifest(
+        doc_id=parent.doc_id, run_id=variant.name, source_uri=parent.info.source_uri,
+        config=variant.config.model_dump(mode="json"), code_version=parent_code_version(),
+        created_at=now(), parent_run=parent.run.root))
+    fs, path = __import__("fsspec").core.url_to_fs(run.url("document", "document.txt"))
+    fs.makedirs(fs._parent(path), exist_ok=True)
+    with fs.open(path, "w") as f:
+        f.write(parent.text)
+    write_json_artifact(run.url("document", "info.json"), parent.info)
+    return RunContext(run, variant.config, parent.text, parent.info, parent.progress, parent.run)
+
+
+def parent_code_version() -> str:
+    from .runs import CODE_VERSION
+
+    return CODE_VERSION
+
+
+def comparison_row(variant: Variant, run: RunDir) -> dict[str, Any]:
+    """One row of the sweep table: the variant's settings and its test-split headline numbers."""
+    t = variant.config.train
+    row: dict[str, Any] = {"variant": variant.name, "arch": t.module.arch, "rho": t.module.rho,
+                           "lambda_alpha": t.lambda_alpha, "lambda_A": t.lambda_A, "lambda_kl": t.lambda_kl}
+    manifest = run.read_manifest("train")
+    if manifest:
+        row.update({k: manifest.counts.get(k) for k in ("module_bytes", "kv_cache_bytes", "heldout_loss_A",
+                                                        "heldout_rte_A", "heldout_loss_kl")})
+    for h in read_eval_tables(run).get("headline", []):
+        prefix = "" if h.get("split") == "test" else f"{h.get('split')}_"
+        for key in ("token_acc_module", "token_acc_full", "token_acc_none", "token_acc_gap",
+                    "recovered_fraction", "delta_s", "delta_s_ci"):
+            if key in h:
+                row[prefix + key] = h[key]
+    return row
+
+
+def comparison_markdown(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return "(no variants)\n"
+    cols = list(dict.fromkeys(k for r in rows for k in r))
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        lines.append("| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def sweep_id(grid: dict[str, list[str]]) -> str:
+    return stable_hash(grid)[:8]
