@@ -5,7 +5,7 @@ Each of the backbone, score head and target head is an input-re-injecting MLP
     h_0 = SiLU(U_0 x + b_0),   h_{k+1} = SiLU(V_k q + U_k h_k + b_k),   y = W h_{D-1} + c
 
 with every weight stacked over the H KV heads of the layer ([H, in, out]) and applied with one
-einsum per matrix: no Python loop over heads. The output layer is affine (scores and targets are
+batched matmul per matrix: no Python loop over heads. The output layer is affine (scores and targets are
 signed). Outputs are in the *normalised* target space; ``NectarModule.predict`` maps them back.
 """
 from __future__ import annotations
@@ -61,27 +61,29 @@ class LayerMLP(nn.Module):
             self.register_parameter(f"{prefix}_bout", nn.Parameter(torch.zeros(H, s.out_dim)))
 
     def _run(self, prefix: str, s: SkipMLPShape, x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-        """x [N, H, in], q [N, H, d] → [N, H, out_features]."""
+        """x [H, N, in], q [H, N, d] → [H, N, out_features] (head-major: one bmm per matrix)."""
         p = self._parameters
         h = x
         for k in range(s.depth):
             if k == 0:
-                pre = torch.einsum("nhi,hiw->nhw", x, p[f"{prefix}_U0"]) + p[f"{prefix}_b0"]
+                pre = torch.baddbmm(p[f"{prefix}_b0"].unsqueeze(1), x, p[f"{prefix}_U0"])  # [H, N, w]
             else:
-                pre = (torch.einsum("nhd,hdw->nhw", q, p[f"{prefix}_V{k}"])
-                       + torch.einsum("nhw,hwv->nhv", h, p[f"{prefix}_U{k}"]) + p[f"{prefix}_b{k}"])
+                pre = torch.baddbmm(p[f"{prefix}_b{k}"].unsqueeze(1), q, p[f"{prefix}_V{k}"])
+                pre = torch.baddbmm(pre, h, p[f"{prefix}_U{k}"])  # + U_k h_k
             if s.layer_norm:
-                pre = F.layer_norm(pre, (s.width,)) * p[f"{prefix}_ln{k}_g"] + p[f"{prefix}_ln{k}_b"]
-            act = F.silu(pre)  # [N, H, w]
+                pre = (F.layer_norm(pre, (s.width,)) * p[f"{prefix}_ln{k}_g"].unsqueeze(1)
+                       + p[f"{prefix}_ln{k}_b"].unsqueeze(1))
+            act = F.silu(pre)  # [H, N, w]
             h = h + act if (self.residual and k > 0) else act
         if s.out_dim is None:
             return h
-        return torch.einsum("nhw,hwo->nho", h, p[f"{prefix}_Wout"]) + p[f"{prefix}_bout"]
+        return torch.baddbmm(p[f"{prefix}_bout"].unsqueeze(1), h, p[f"{prefix}_Wout"])  # [H, N, out]
 
     def forward(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [N, H, d] (normalised) → (A [N, H, d], a [N, H]) in normalised target units."""
         s = self.shapes
-        h = self._run("backbone", s.backbone, q, q)  # [N, H, w_b] (or q itself when D_b = 0)
-        a = self._run("score", s.score, h, q).squeeze(-1)  # [N, H]
-        A = self._run("target", s.target, h, q)  # [N, H, d]
+        qh = q.transpose(0, 1)  # [H, N, d]
+        h = self._run("backbone", s.backbone, qh, qh)  # [H, N, w_b] (or q itself when D_b = 0)
+        a = self._run("score", s.score, h, qh).squeeze(-1).transpose(0, 1)  # [N, H]
+        A = self._run("target", s.target, h, qh).transpose(0, 1)  # [N, H, d]
         return A, a

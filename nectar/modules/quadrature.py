@@ -31,7 +31,7 @@ class LayerQuadrature(nn.Module):
 
     def forward(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [N, H, d] (raw rotated queries) → (A [N, H, d], a [N, H]) in raw units."""
-        logits = torch.einsum("nhd,hpd->nhp", q, self.W) * self.scaling  # [N, H, p]
-        a = torch.logsumexp(logits, dim=-1)  # [N, H]
-        A = torch.einsum("nhp,hpd->nhd", torch.softmax(logits, dim=-1), self.Z)  # [N, H, d]
+        logits = torch.bmm(q.transpose(0, 1), self.W.transpose(1, 2)) * self.scaling  # [H, N, p]
+        a = torch.logsumexp(logits, dim=-1).transpose(0, 1)  # [N, H]
+        A = torch.bmm(torch.softmax(logits, dim=-1), self.Z).transpose(0, 1)  # [N, H, d]
         return A, a

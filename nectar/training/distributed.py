@@ -1,0 +1,64 @@
+"""Data parallelism with ``torchrun`` (DistributedDataParallel; gloo on CPU, nccl on CUDA).
+
+Every rank holds the whole (small) module and reads its strided share of each global batch; DDP
+all-reduces gradients in backward, so every rank applies the same update. Only rank 0 writes files.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def active(self) -> bool:
+        return self.world_size > 1
+
+
+def dist_info() -> DistInfo:
+    if dist.is_available() and dist.is_initialized():
+        return DistInfo(dist.get_rank(), dist.get_world_size())
+    return DistInfo()
+
+
+def init_from_env() -> DistInfo:
+    """Join the process group torchrun describes in the environment (no-op when run plainly)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend=backend)
+    return dist_info()
+
+
+def wrap(objective: torch.nn.Module, info: DistInfo, find_unused: bool = False) -> torch.nn.Module:
+    if not info.active:
+        return objective
+    from torch.nn.parallel import DistributedDataParallel
+
+    # broadcast_buffers=False: the normalisation buffers are set identically on every rank and
+    # never change; the module parameters are broadcast from rank 0 at construction.
+    return DistributedDataParallel(objective, broadcast_buffers=False, find_unused_parameters=find_unused)
+
+
+def barrier(info: DistInfo) -> None:
+    if info.active:
+        dist.barrier()
+
+
+def all_ranks_agree(flag: bool, info: DistInfo) -> bool:
+    """True only if ``flag`` is true on every rank."""
+    if not info.active:
+        return flag
+    t = torch.tensor([0 if flag else 1])
+    dist.all_reduce(t)
+    return int(t.item()) == 0
