@@ -1,0 +1,439 @@
+"""Prefect deployments, schedules and triggers for the pipeline (``nectar deploy|schedule|trigger|rerun``).
+
+What ``nectar deploy`` registers on the server in ``PREFECT_API_URL``:
+
+    work pool  nectar (type process)        queues: default, gpu (concurrency = number of GPUs)
+    <pipeline flow>/pipeline                 a whole run for a document given at trigger time
+    <pipeline flow>/doc-<name>               one per scheduled document: cron + fixed parameters
+    <stage flow>/<stage>                     one per stage: re-run that stage of an existing run
+                                             (GPU stages go to the ``gpu`` queue)
+    global concurrency limit nectar-gpu      one slot per GPU, held by GPU stages inside pipeline runs
+
+Entrypoints are module paths (``nectar.pipeline.flows.nectar_pipeline``): workers import the
+installed package and the Docker image is the code. Every deployment gets ONE pull step,
+``set_working_directory(<working dir>)``: flow runs start there, so relative run directories
+(``runs/<doc>/<run>``) land in a stable folder (a shared volume under compose). Without a pull step
+a process worker copies the deployment's ``path`` (the directory ``nectar deploy`` ran in, .venv
+and all) into a temp workspace for every flow run — minutes per run, and runs written into a
+folder that is deleted afterwards.
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+import typer
+
+from ..runs import slug
+from ..schemas.config import STAGES
+from .gpu_slots import GPU_LIMIT, GPU_STAGES
+
+PIPELINE_ENTRYPOINT = "nectar.pipeline.flows.nectar_pipeline"
+STAGE_ENTRYPOINT = "nectar.pipeline.flows.nectar_stage"
+DEFAULT_POOL = "nectar"
+GPU_QUEUE = "gpu"
+PIPELINE_DEPLOYMENT = "pipeline"
+TAGS = ["nectar"]
+TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+
+
+class DeployError(RuntimeError):
+    """The server, a deployment or a parameter can't do what was asked; the message says why."""
+
+
+# ----------------------------------------------------------------------------------- parameters
+
+def llm_overrides_from_env(env: Mapping[str, str]) -> list[str]:
+    """Config overrides pointing every LLM role at the compose stack's OpenAI-compatible servers.
+
+    NECTAR_LLM_BASE_URL / NECTAR_GEN_MODEL: synthesis and the long-context re-answer (verify);
+    NECTAR_JUDGE_BASE_URL / NECTAR_JUDGE_MODEL: the judge of verify and evaluate (default: the
+    generation server and model). Nothing is overridden when NECTAR_LLM_BASE_URL is unset.
+    """
+    gen_url = env.get("NECTAR_LLM_BASE_URL")
+    if not gen_url:
+        return []
+    gen_model = env.get("NECTAR_GEN_MODEL")
+    judge_url = env.get("NECTAR_JUDGE_BASE_URL") or gen_url
+    judge_model = env.get("NECTAR_JUDGE_MODEL") or gen_model
+    roles = {"synthesize.llm": (gen_url, gen_model), "verify.answer_llm": (gen_url, gen_model),
+             "verify.judge": (judge_url, judge_model), "evaluate.judge": (judge_url, judge_model)}
+    out = []
+    for role, (url, model) in roles.items():
+        out += [f"{role}.backend=openai", f"{role}.base_url={url}"]
+        if model:
+            out.append(f"{role}.model={model}")
+    return out
+
+
+def pipeline_parameters(preset: str = "cpu", config_file: str | None = None,
+                        overrides: list[str] | None = None, run_dir: str | None = None,
+                        document: str | None = None) -> dict[str, Any]:
+    """Parameters of ``nectar_pipeline``, validated here so a typo fails at deploy time, not at 3 a.m."""
+    from ..schemas.presets import load_config
+
+    load_config(preset, config_file, overrides=list(overrides or ()))  # raises ConfigError, named
+    params: dict[str, Any] = {"preset": preset, "config_file": config_file,
+                              "overrides": list(overrides or [])}
+    if run_dir is not None:
+        params["run_dir"] = run_dir
+    if document is not None:
+        params["document"] = document
+    return params
+
+
+def document_deployment_name(document: str) -> str:
+    """``doc-<name>`` from the document URI's file name (stable while the content changes)."""
+    stem = Path(document.rstrip("/").split("/")[-1]).stem or document
+    return f"doc-{slug(stem)}"
+
+
+def job_variables(working_dir: str, env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"working_dir": str(working_dir)}
+    if env:
+        out["env"] = dict(env)
+    return out
+
+
+def pull_steps(working_dir: str) -> list[dict[str, Any]]:
+    return [{"prefect.deployments.steps.set_working_directory": {"directory": str(working_dir)}}]
+
+
+# ---------------------------------------------------------------------------- server resources
+
+def require_server() -> str:
+    """The API URL; deployments and triggers are meaningless against an ephemeral server."""
+    from prefect.settings import PREFECT_API_URL
+
+    url = PREFECT_API_URL.value()
+    if not url:
+        raise DeployError("PREFECT_API_URL is not set: deployments need a running Prefect server "
+                          "(e.g. export PREFECT_API_URL=http://127.0.0.1:4200/api)")
+    return url
+
+
+def _client():
+    from prefect.client.orchestration import get_client
+
+    require_server()
+    return get_client(sync_client=True)
+
+
+def ensure_work_pool(pool: str = DEFAULT_POOL, gpus: int = 1) -> None:
+    """A process work pool with a ``gpu`` queue that runs at most ``gpus`` flow runs at once."""
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectNotFound
+    from prefect.workers.process import ProcessWorker
+
+    with _client() as client:
+        try:
+            existing = client.read_work_pool(pool)
+            if existing.type != "process":
+                raise DeployError(f"work pool {pool!r} exists with type {existing.type!r}; nectar "
+                                  "deploys to a 'process' pool (pass --pool to use another name)")
+        except ObjectNotFound:
+            client.create_work_pool(WorkPoolCreate(
+                name=pool, type="process", description="NECTAR pipeline runs",
+                base_job_template=ProcessWorker.get_default_base_job_template()))
+        try:
+            queue = client.read_work_queue_by_name(GPU_QUEUE, work_pool_name=pool)
+            if queue.concurrency_limit != gpus:
+                client.update_work_queue(queue.id, concurrency_limit=gpus)
+        except ObjectNotFound:
+            client.create_work_queue(GPU_QUEUE, description="stage re-runs that use the GPU",
+                                     work_pool_name=pool, concurrency_limit=gpus)
+
+
+def ensure_gpu_limit(gpus: int = 1, name: str = GPU_LIMIT) -> None:
+    """The global concurrency limit GPU stages hold inside pipeline runs (see gpu_slots.py)."""
+    with _client() as client:
+        client.upsert_global_concurrency_limit_by_name(name, gpus)
+
+
+# ----------------------------------------------------------------------------------- deployments
+
+def _runner_deployment(entrypoint: str, name: str, pool: str, **kwargs: Any):
+    from prefect.deployments.runner import RunnerDeployment
+
+    return RunnerDeployment.from_entrypoint(entrypoint=entrypoint, name=name, work_pool_name=pool,
+                                            **kwargs)
+
+
+def pipeline_deployment(pool: str, parameters: dict[str, Any], working_dir: str,
+                        name: str = PIPELINE_DEPLOYMENT, cron: str | None = None,
+                        timezone: str | None = None, tags: list[str] | None = None,
+                        env: Mapping[str, str] | None = None):
+    schedules = None
+    if cron:
+        from prefect.client.schemas.schedules import CronSchedule
+
+        schedules = [CronSchedule(cron=cron, timezone=timezone or "UTC")]
+    return _runner_deployment(
+        PIPELINE_ENTRYPOINT, name, pool, parameters=parameters, schedules=schedules,
+        tags=[*TAGS, *(tags or [])], job_variables=job_variables(working_dir, env),
+        description="Run the NECTAR pipeline (chunk → … → evaluate) for one document; "
+                    "completed stages are skipped, so re-running a failed run resumes it.")
+
+
+def stage_deployments(pool: str, working_dir: str, env: Mapping[str, str] | None = None):
+    """One deployment per stage; each takes the run directory (the config comes from its run.json)."""
+    out = []
+    for stage in STAGES:
+        out.append(_runner_deployment(
+            STAGE_ENTRYPOINT, stage, pool, parameters={"stage": stage, "force": True},
+            tags=[*TAGS, f"stage:{stage}", *(["gpu"] if stage in GPU_STAGES else [])],
+            work_queue_name=GPU_QUEUE if stage in GPU_STAGES else None,
+            job_variables=job_variables(working_dir, env),
+            description=f"Re-run the {stage} stage of an existing run on its existing inputs."))
+    return out
+
+
+def apply(deployments: list, working_dir: str) -> dict[str, str]:
+    """Register (create or update) deployments with the working-directory pull step; name → id."""
+    from prefect.client.schemas.actions import DeploymentUpdate
+
+    ids = {}
+    try:
+        with _client() as client:
+            for dep in deployments:
+                dep_id = dep.apply()
+                # RunnerDeployment.apply() registers no pull steps for module entrypoints; set ours.
+                client.update_deployment(dep_id, DeploymentUpdate(pull_steps=pull_steps(working_dir)))
+                ids[f"{dep.flow_name}/{dep.name}"] = str(dep_id)
+    except DeployError:
+        raise
+    except Exception as exc:  # httpx / Prefect errors: say which server refused
+        raise DeployError(f"could not register deployments on {require_server()}: {exc}") from exc
+    return ids
+
+
+def deploy(pool: str = DEFAULT_POOL, preset: str = "cpu", config_file: str | None = None,
+           overrides: list[str] | None = None, working_dir: str | None = None, gpus: int = 1,
+           env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``nectar deploy``: the pool, the GPU limits, the pipeline deployment and the stage deployments.
+
+    ``working_dir`` (default: the current directory) is where flow runs start on the worker.
+    """
+    params = pipeline_parameters(preset, config_file, overrides)
+    working_dir = str(working_dir or os.getcwd())
+    ensure_work_pool(pool, gpus)
+    ensure_gpu_limit(gpus)
+    deps = [pipeline_deployment(pool, params, working_dir, env=env), *stage_deployments(pool, working_dir, env)]
+    return apply(deps, working_dir)
+
+
+def schedule_document(document: str, cron: str | None, pool: str = DEFAULT_POOL, preset: str = "cpu",
+                      config_file: str | None = None, overrides: list[str] | None = None,
+                      run_dir: str | None = None, working_dir: str | None = None,
+                      timezone: str | None = None, env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """A per-document deployment (``<pipeline flow>/doc-<name>``), on a cron schedule if given."""
+    if cron:
+        _check_cron(cron)
+    params = pipeline_parameters(preset, config_file, overrides, run_dir, document=document)
+    working_dir = str(working_dir or os.getcwd())
+    ensure_work_pool(pool)
+    name = document_deployment_name(document)
+    dep = pipeline_deployment(pool, params, working_dir, name=name, cron=cron, timezone=timezone,
+                              tags=[f"doc:{name[4:]}"], env=env)
+    return apply([dep], working_dir)
+
+
+def _check_cron(cron: str) -> None:
+    from prefect.client.schemas.schedules import CronSchedule
+
+    try:
+        CronSchedule(cron=cron)
+    except Exception as exc:
+        raise DeployError(f"invalid cron expression {cron!r}: {exc}") from None
+
+
+# -------------------------------------------------------------------------------------- triggers
+
+def _flow_name(entrypoint: str) -> str:
+    from prefect.flows import load_flow_from_entrypoint
+
+    return load_flow_from_entrypoint(entrypoint).name
+
+
+def trigger(document: str, preset: str | None = None, config_file: str | None = None,
+            overrides: list[str] | None = None, run_dir: str | None = None,
+            from_stage: str | None = None, only_stage: str | None = None, force: bool = False,
+            deployment: str | None = None):
+    """Create a flow run of the pipeline deployment for ``document``; returns the FlowRun at once.
+
+    Unset options keep the deployment's defaults (its preset, config file and overrides).
+    """
+    params: dict[str, Any] = {"document": document}
+    if preset is not None or config_file is not None or overrides:
+        params.update(pipeline_parameters(preset or "cpu", config_file, overrides))
+    for key, value in (("run_dir", run_dir), ("from_stage", from_stage), ("only_stage", only_stage)):
+        if value is not None:
+            params[key] = value
+    if force:
+        params["force"] = True
+    name = deployment or f"{_flow_name(PIPELINE_ENTRYPOINT)}/{PIPELINE_DEPLOYMENT}"
+    tag = f"doc:{document_deployment_name(document)[4:]}"
+    return _run(name, params, [*TAGS, tag])
+
+
+def rerun_stage(run_dir: str, stage: str):
+    """Create a flow run of ``<stage flow>/<stage>`` for an existing run directory."""
+    if stage not in STAGES:
+        raise DeployError(f"unknown stage {stage!r}; choose one of {', '.join(STAGES)}")
+    return _run(f"{_flow_name(STAGE_ENTRYPOINT)}/{stage}", {"run_dir": run_dir, "stage": stage},
+                [*TAGS, f"stage:{stage}"])
+
+
+def _run(name: str, params: dict[str, Any], tags: list[str]):
+    from prefect.deployments import run_deployment
+    from prefect.exceptions import ObjectNotFound
+
+    require_server()
+    try:
+        return run_deployment(name, parameters=params, timeout=0, tags=tags, as_subflow=False)
+    except ObjectNotFound:
+        raise DeployError(f"deployment {name!r} not found: run `nectar deploy` first") from None
+
+
+def wait_for_run(flow_run_id, timeout_s: float = 3600.0, poll_s: float = 2.0):
+    """Poll until the flow run reaches a terminal state; returns the FlowRun."""
+    deadline = time.monotonic() + timeout_s
+    with _client() as client:
+        while True:
+            run = client.read_flow_run(flow_run_id)
+            if run.state is not None and run.state.type.value in TERMINAL:
+                return run
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"flow run {run.name} still {run.state.name if run.state else '?'} "
+                                   f"after {timeout_s:.0f}s")
+            time.sleep(poll_s)
+
+
+# ------------------------------------------------------------------------------------------- CLI
+
+ops_app = typer.Typer(help="Prefect deployments, schedules and triggers.", no_args_is_help=True)
+_OVERRIDE = typer.Option(None, "--override", "-o", help="section.key=value (repeatable)")
+
+
+def _fail(exc: Exception) -> None:
+    typer.secho(f"error: {exc}", fg="red", err=True)
+    raise typer.Exit(2)
+
+
+def _print_registered(ids: dict[str, str]) -> None:
+    for name, dep_id in ids.items():
+        typer.echo(f"deployment {name}  ({dep_id})")
+
+
+@ops_app.command("deploy")
+def deploy_cmd(
+    pool: str = typer.Option(DEFAULT_POOL, help="process work pool (created if missing)"),
+    preset: str = typer.Option("cpu", help="default preset of the pipeline deployment"),
+    config: str | None = typer.Option(None, "--config", help="default YAML config file"),
+    override: list[str] | None = _OVERRIDE,
+    working_dir: str | None = typer.Option(None, help="where flow runs execute; relative run dirs land here (default: cwd)"),
+    gpus: int = typer.Option(1, min=1, help="GPU stages allowed to run at once"),
+    llm_from_env: bool = typer.Option(False, help="point LLM roles at NECTAR_LLM_BASE_URL/NECTAR_JUDGE_BASE_URL"),
+    cron: str | None = typer.Option(None, help="also schedule --document on this cron"),
+    document: str | None = typer.Option(None, help="document URI (local path or fsspec URL) for --cron"),
+    run_dir: str | None = typer.Option(None, help="fixed run directory for the scheduled document"),
+) -> None:
+    """Register the pipeline and every stage as deployments (and optionally schedule a document)."""
+    if cron and not document:
+        _fail(DeployError("--cron needs --document (the document to run on that schedule)"))
+    overrides = [*(llm_overrides_from_env(os.environ) if llm_from_env else []), *(override or [])]
+    wd = working_dir or os.getcwd()
+    try:
+        _print_registered(deploy(pool, preset, config, overrides, wd, gpus))
+        if document:
+            _print_registered(schedule_document(document, cron, pool, preset, config, overrides,
+                                                run_dir, wd))
+    except Exception as exc:
+        _fail(exc)
+
+
+@ops_app.command("schedule")
+def schedule_cmd(
+    document: str = typer.Argument(..., help="document URI (local path or fsspec URL)"),
+    cron: str = typer.Option(..., help='cron expression, e.g. "0 2 * * *" (02:00 daily)'),
+    timezone: str = typer.Option("UTC", help="time zone of the cron expression"),
+    pool: str = typer.Option(DEFAULT_POOL),
+    preset: str = typer.Option("cpu"),
+    config: str | None = typer.Option(None, "--config"),
+    override: list[str] | None = _OVERRIDE,
+    run_dir: str | None = typer.Option(None, help="fixed run directory (default: runs/<doc-id>/<run-id>)"),
+    working_dir: str | None = typer.Option(None),
+) -> None:
+    """Schedule one document: a deployment ``doc-<name>`` with a cron and fixed parameters."""
+    try:
+        _print_registered(schedule_document(document, cron, pool, preset, config, override, run_dir,
+                                            working_dir or os.getcwd(), timezone))
+    except Exception as exc:
+        _fail(exc)
+
+
+@ops_app.command("trigger")
+def trigger_cmd(
+    document: str = typer.Argument(..., help="document URI (local path or fsspec URL)"),
+    preset: str | None = typer.Option(None, help="default: the deployment's"),
+    config: str | None = typer.Option(None, "--config"),
+    override: list[str] | None = _OVERRIDE,
+    run_dir: str | None = typer.Option(None, help="reuse a run directory (a retry skips its completed stages)"),
+    from_stage: str | None = typer.Option(None, "--from", help="re-run this stage and everything after it"),
+    only_stage: str | None = typer.Option(None, "--only", help="re-run only this stage"),
+    force: bool = typer.Option(False, "--force", help="ignore the cache for every stage"),
+    wait: bool = typer.Option(False, help="wait for the run to finish and print each stage's state"),
+    timeout: float = typer.Option(3600.0, help="seconds to wait with --wait"),
+) -> None:
+    """Start a pipeline run for a document through the Prefect server (a worker executes it)."""
+    try:
+        _report(trigger(document, preset, config, override, run_dir, from_stage, only_stage, force),
+                wait, timeout)
+    except Exception as exc:
+        _fail(exc)
+
+
+@ops_app.command("rerun")
+def rerun_cmd(
+    run_dir: str = typer.Argument(..., help="an existing run directory (holds run.json)"),
+    stage: str = typer.Argument(..., help=f"one of {', '.join(STAGES)}"),
+    local: bool = typer.Option(False, help="run it in this process instead of on a worker"),
+    wait: bool = typer.Option(False, help="wait for the run to finish"),
+    timeout: float = typer.Option(3600.0),
+) -> None:
+    """Re-run ONE stage of an existing run on its existing inputs (its stage deployment, or --local)."""
+    try:
+        if local:
+            from .flows import nectar_stage
+
+            typer.echo(nectar_stage(run_dir=run_dir, stage=stage, force=True))
+            return
+        _report(rerun_stage(run_dir, stage), wait, timeout)
+    except Exception as exc:
+        _fail(exc)
+
+
+def _report(flow_run, wait: bool, timeout: float) -> None:
+    typer.echo(f"flow run {flow_run.name} ({flow_run.id}) scheduled")
+    if not wait:
+        return
+    from .server_status import summary_lines
+
+    done = wait_for_run(flow_run.id, timeout)
+    for line in summary_lines(done.id):
+        typer.echo(f"  {line}")
+    typer.echo(f"flow run {done.name}: {done.state.name}")
+    if done.state.type.value != "COMPLETED":
+        raise typer.Exit(1)
+
+
+def register(app: typer.Typer) -> None:
+    """Mount deploy/schedule/trigger/rerun as top-level commands of the ``nectar`` app."""
+    for info in ops_app.registered_commands:
+        app.registered_commands.append(info)
+
+
+if __name__ == "__main__":  # `python -m nectar.pipeline.deploy deploy ...` (containers, no CLI mount needed)
+    ops_app()
