@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ..models import BaseModel
-from ..modules.builder import build_module, plan_from_config
+from ..modules.builder import NectarModule, build_module, plan_from_config
 from ..modules.io import make_spec, save_module
 from ..schemas.artifacts import TargetsHeader, TrainLogRow
 from ..schemas.base import stable_hash
@@ -56,6 +56,14 @@ def train(
     progress: Callable[[int, int], None] | None = None,
     stop_after: int | None = None,  # stop (as if killed) after this many steps; for tests
 ) -> dict:
+    """Train, write the module, spec and log into ``out_url``; return the stage counts."""
+    return fit(targets_url, cfg, base, doc_kv, out_url, progress, stop_after)[1]
+
+
+def fit(targets_url: str, cfg: TrainConfig, base: BaseModel, doc_kv, out_url: str,
+        progress: Callable[[int, int], None] | None = None,
+        stop_after: int | None = None) -> tuple[NectarModule, dict]:
+    """``train`` that also hands back the trained in-memory module (this process's replica)."""
     zurl = targets_zarr_url(targets_url)
     data = TargetsData(zurl)
     h = data.header
@@ -82,7 +90,7 @@ def train(
               "warmup_steps": result.schedule.warmup_steps, "peak_lr": result.schedule.peak_lr,
               "train_items": result.schedule.n_items, "stopped_early": result.stopped_early}
     if result.stopped_early:
-        return counts
+        return module, counts
     info = dist_info()
     spec = make_spec(module.cpu(), plan, base.name, base.weights_hash, h.doc_sha256, h.num_q_heads,
                      normalization={"enabled": plan.normalize_targets, "source": "train split targets"})
@@ -93,7 +101,7 @@ def train(
     module.to(base.device)
     counts.update(n_params=spec.n_params, module_bytes=spec.module_bytes, kv_cache_bytes=spec.kv_cache_bytes,
                   kv_over_module=round(spec.kv_cache_bytes / spec.module_bytes, 2), **_final_metrics(result.rows))
-    return counts
+    return module, counts
 
 
 def _final_metrics(rows: list[TrainLogRow]) -> dict:

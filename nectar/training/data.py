@@ -166,12 +166,18 @@ def target_statistics(data: TargetsData, num_kv_heads: int, max_tokens: int = 81
     """Per (layer, KV head) mean/std of q, α and A over train tokens (query heads of a group pooled).
 
     Means of q and A are per coordinate [L, Hkv, d]; stds are one scalar per head [L, Hkv] so a
-    near-constant coordinate can't blow up the normalised loss.
+    near-constant coordinate can't blow up the normalised loss. Tokens with non-finite targets are
+    left out (the loop masks their steps; they must not poison every prediction).
     """
     tokens = data.tokens("train")
     if len(tokens) > max_tokens:
         tokens = np.sort(np.random.default_rng(seed).choice(tokens, max_tokens, replace=False))
     batch = data.rows(tokens)
+    finite = (batch.q.flatten(1).isfinite().all(1) & batch.A.flatten(1).isfinite().all(1)
+              & batch.alpha.flatten(1).isfinite().all(1))  # [T]: one corrupt row must not poison the stats
+    if not bool(finite.any()):
+        raise ArtifactError(f"{data.url}: every sampled train token has non-finite targets")
+    batch = TokenBatch(batch.q[finite], batch.alpha[finite], batch.A[finite])
     T, L, hq, d = batch.q.shape
     g = hq // num_kv_heads
 

@@ -45,9 +45,8 @@ def wrap(objective: torch.nn.Module, info: DistInfo, find_unused: bool = False) 
         return objective
     from torch.nn.parallel import DistributedDataParallel
 
-    # broadcast_buffers=False: the normalisation buffers are set identically on every rank and
-    # never change; the module parameters are broadcast from rank 0 at construction.
-    return DistributedDataParallel(objective, broadcast_buffers=False, find_unused_parameters=find_unused)
+    # Parameters (and the normalisation buffers) are broadcast from rank 0 at construction.
+    return DistributedDataParallel(objective, find_unused_parameters=find_unused)
 
 
 def barrier(info: DistInfo) -> None:

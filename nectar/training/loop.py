@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -268,7 +269,9 @@ class Trainer:
             if stop_after is not None and s.step >= stop_after:
                 return TrainResult(s, self.schedule, self.resumed_from, stopped_early=True)
             ok, stats, gnorm = self._step(batch_items(self.items, s.step, cfg.batch_size, cfg.seed))
-            self.lr_sched.step()
+            with warnings.catch_warnings():  # a skipped first step trips "scheduler before optimizer"
+                warnings.simplefilter("ignore", UserWarning)
+                self.lr_sched.step()  # the schedule follows samples consumed, skipped or not
             s.step += 1
             s.samples += cfg.batch_size
             if ok:
