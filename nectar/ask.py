@@ -1,0 +1,126 @@
+"""``nectar ask RUN_DIR "question"``: answer from the trained module, without the document.
+
+The base model sees only the question's query tokens, at positions n, n+1, … (as if the n-token
+document preceded them); every attention layer blends the module's (A_θ, a_θ) with the local
+causal state over the question and the answer so far (DESIGN.md §2). No document KV is loaded:
+memory is the base model plus the module and a local cache of the query tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .attention.interface import nectar_attention
+from .attention.run import _stop_ids, sample_next
+from .layout import PromptLayout
+from .models import BaseModel
+from .modules.builder import NectarModule
+from .modules.provider import ModuleDocState
+
+TextCallback = Callable[[str], None]
+
+
+@dataclass
+class Answer:
+    text: str
+    token_ids: list[int]
+    n_context: int  # the document length the module stands in for
+
+
+class _Detokenizer:
+    """Turns a growing token list into text deltas (holding back incomplete UTF-8 sequences)."""
+
+    def __init__(self, tokenizer, callback: TextCallback | None):
+        self.tokenizer, self.callback = tokenizer, callback
+        self.tokens: list[int] = []
+        self.emitted = ""
+
+    def push(self, token: int) -> None:
+        self.tokens.append(token)
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # a multi-byte character split across tokens: wait for the rest
+            return
+        delta, self.emitted = text[len(self.emitted):], text
+        if delta and self.callback is not None:
+            self.callback(delta)
+
+    def text(self) -> str:
+        return self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+
+
+@torch.no_grad()
+def stream_tokens(base: BaseModel, provider, n: int, prompt: list[int], max_new_tokens: int,
+                  temperature: float, top_p: float, seed: int, on_token: Callable[[int], None],
+                  stop_ids: tuple[int, ...] | None = None) -> list[int]:
+    """Single-prompt sampling loop with a local KV cache, calling ``on_token`` as tokens arrive.
+
+    The same steps as ``nectar.attention.run.generate`` (prefill of the prompt at positions
+    n…, then one token at a time), which has no per-token hook.
+    """
+    from transformers import DynamicCache
+
+    device = base.device
+    stop = set(stop_ids if stop_ids is not None else _stop_ids(base))
+    gen = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
+    cache = DynamicCache(config=base.model.config)
+    ids = torch.tensor([prompt], dtype=torch.long, device=device)  # [1, m]
+    pos = n + torch.arange(len(prompt), device=device).unsqueeze(0)  # [1, m]
+    out: list[int] = []
+    with nectar_attention(base.model, provider):
+        logits = base.model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True).logits[:, -1]
+        for step in range(max_new_tokens):
+            tok = int(sample_next(logits, temperature, top_p, gen)[0])
+            if tok in stop:
+                break
+            out.append(tok)
+            on_token(tok)
+            if step == max_new_tokens - 1:
+                break
+            nxt = torch.tensor([[tok]], device=device)
+            p = torch.tensor([[n + len(prompt) + step]], device=device)
+            logits = base.model(input_ids=nxt, position_ids=p, past_key_values=cache, use_cache=True).logits[:, -1]
+    return out
+
+
+def answer(base: BaseModel, module: NectarModule, layout: PromptLayout, n_context: int, question: str,
+           stream: TextCallback | None = None, max_new_tokens: int = 196, temperature: float = 0.7,
+           top_p: float = 0.8, seed: int = 0) -> Answer:
+    if not question.strip():
+        raise ValueError("the question is empty")
+    detok = _Detokenizer(base.tokenizer, stream)
+    prompt = layout.prompt(question).ids
+    tokens = stream_tokens(base, ModuleDocState(module), n_context, prompt, max_new_tokens, temperature,
+                           top_p, seed, detok.push)
+    return Answer(detok.text(), tokens, n_context)
+
+
+def ask(run_dir: str, question: str, stream: TextCallback | None = None, *,
+        max_new_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
+        seed: int = 0) -> Answer:
+    """Load the run's base model and trained module and answer ``question``, streaming text.
+
+    Generation defaults are the run's evaluation settings (nucleus p, temperature, the non-QA
+    token limit); the module is checked against the run's model and document before use.
+    """
+    from .layout import build_layout
+    from .models import load_base_model
+    from .modules.io import load_module
+    from .orchestrate import open_run
+
+    ctx = open_run(run_dir)
+    if not ctx.run.exists("train", "module.json"):
+        raise FileNotFoundError(f"{ctx.run.url('train')}: no trained module (run the pipeline through "
+                                "the train stage first)")
+    base = load_base_model(ctx.config.model)
+    module, spec = load_module(ctx.run.url("train"), base, ctx.info.sha256, device=base.device)
+    # The template around the question is split from the document at fixed sentinels, so the
+    # prompt tokens are the ones the module was trained on; the document text is tokenized (cheap,
+    # no forward) only to build that layout.
+    layout = build_layout(base.tokenizer, ctx.text)
+    ev = ctx.config.evaluate
+    return answer(base, module, layout, spec.n_context, question, stream,
+                  max_new_tokens if max_new_tokens is not None else ev.max_new_tokens_other,
+                  temperature if temperature is not None else ev.temperature,
+                  top_p if top_p is not None else ev.top_p, seed)
