@@ -22,7 +22,7 @@ ProgressFactory = Callable[[str], Progress]
 # Stages whose implementation ships in this release; `status` lists others as not available.
 UPSTREAM: dict[str, tuple[str, ...]] = {
     "chunk": (), "synthesize": ("chunk",), "verify": ("synthesize",), "targets": ("verify",),
-    "train": ("targets",), "evaluate": ("train", "targets", "verify"),
+    "train": ("targets",), "evaluate": ("train", "targets", "verify", "chunk"),
 }
 
 

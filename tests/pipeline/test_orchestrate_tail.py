@@ -36,10 +36,12 @@ def tiny_ctx(tmp_path, document):
     path.write_text(document)
     config = load_config("tiny", overrides=["train.samples=600", "evaluate.judge.max_new_tokens=8"])
     ctx = orchestrate.prepare_run(str(path), config, str(tmp_path / "run"))
+    orchestrate.run_chunk(ctx)
     _write_verified(ctx)
     return ctx
 
 
+@pytest.mark.slow
 def test_targets_train_evaluate_and_cache(tiny_ctx):
     ctx = tiny_ctx
     for stage in ("targets", "train", "evaluate"):
