@@ -297,6 +297,44 @@ def _run(name: str, params: dict[str, Any], tags: list[str]):
         raise DeployError(f"deployment {name!r} not found: run `nectar deploy` first") from None
 
 
+def _find_flow_run(client, flow_run: str):
+    """A flow run by id, or the latest failed/crashed run with that name (e.g. ``manual-pipeline``)."""
+    from uuid import UUID
+
+    from prefect.client.schemas.filters import (FlowRunFilter, FlowRunFilterName, FlowRunFilterState,
+                                                FlowRunFilterStateType)
+    from prefect.client.schemas.objects import StateType
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    try:
+        return client.read_flow_run(UUID(flow_run))
+    except ValueError:
+        pass
+    runs = client.read_flow_runs(
+        flow_run_filter=FlowRunFilter(
+            name=FlowRunFilterName(any_=[flow_run]),
+            state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.FAILED, StateType.CRASHED]))),
+        sort=FlowRunSort.EXPECTED_START_TIME_DESC, limit=1)
+    if not runs:
+        raise DeployError(f"no failed or crashed flow run named {flow_run!r}")
+    return runs[0]
+
+
+def retry_flow_run(flow_run: str):
+    """What the UI's Retry button does: the run goes back to Scheduled (AwaitingRetry) with the same
+    parameters, a worker picks it up, and stages whose manifests match are cache hits."""
+    from prefect.states import Scheduled
+
+    with _client() as client:
+        run = _find_flow_run(client, flow_run)
+        if run.state is None or run.state.type.value not in ("FAILED", "CRASHED", "CANCELLED"):
+            raise DeployError(f"flow run {run.name} is {run.state.name if run.state else 'unknown'}; "
+                              "only failed, crashed or cancelled runs are retried")
+        client.set_flow_run_state(run.id, Scheduled(name="AwaitingRetry", message="Retry from nectar retry"),
+                                  force=True)
+        return client.read_flow_run(run.id)
+
+
 def wait_for_run(flow_run_id, timeout_s: float = 3600.0, poll_s: float = 2.0):
     """Poll until the flow run reaches a terminal state; returns the FlowRun."""
     deadline = time.monotonic() + timeout_s
@@ -415,6 +453,19 @@ def rerun_cmd(
         _fail(exc)
 
 
+@ops_app.command("retry")
+def retry_cmd(
+    flow_run: str = typer.Argument(..., help="flow run id, or the name of a failed run (latest is taken)"),
+    wait: bool = typer.Option(False, help="wait for the run to finish"),
+    timeout: float = typer.Option(3600.0),
+) -> None:
+    """Retry a failed pipeline run with the same parameters (completed stages are skipped)."""
+    try:
+        _report(retry_flow_run(flow_run), wait, timeout)
+    except Exception as exc:
+        _fail(exc)
+
+
 def _report(flow_run, wait: bool, timeout: float) -> None:
     typer.echo(f"flow run {flow_run.name} ({flow_run.id}) scheduled")
     if not wait:
@@ -430,7 +481,7 @@ def _report(flow_run, wait: bool, timeout: float) -> None:
 
 
 def register(app: typer.Typer) -> None:
-    """Mount deploy/schedule/trigger/rerun as top-level commands of the ``nectar`` app."""
+    """Mount deploy/schedule/trigger/rerun/retry as top-level commands of the ``nectar`` app."""
     for info in ops_app.registered_commands:
         app.registered_commands.append(info)
 

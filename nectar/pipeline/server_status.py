@@ -50,9 +50,9 @@ def artifacts(flow_run_ids: list[UUID]) -> dict[str, Any]:
     from prefect.client.schemas.objects import Artifact
 
     with _sync_client() as client:
-        # POST /artifacts/filter directly: Prefect 3.8's read_artifacts() sends null (or, given
-        # empty filters, an inner join on task runs) for the filters it is not given, so it either
-        # fails with 422 or drops every artifact created by a flow run outside a task.
+        # POST /artifacts/filter with only the filter we need: Prefect 3.8's read_artifacts() sends
+        # null for the filters it isn't given (rejected with 422 by FastAPI >= 0.151), and given
+        # empty filters instead it joins on task runs and drops artifacts made outside a task.
         response = client.request("POST", "/artifacts/filter", json={
             "artifacts": {"flow_run_id": {"any_": [str(i) for i in flow_run_ids]}},
             "sort": "CREATED_DESC", "limit": 200, "offset": 0})
