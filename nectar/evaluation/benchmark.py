@@ -11,6 +11,7 @@ Documents of each length are the run's document tokens tiled (repeated) and trun
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from dataclasses import dataclass
@@ -74,7 +75,7 @@ def same_architecture(base: BaseModel, plan: ModulePlan, seed: int = 0) -> Modul
         if p.arch == "quadrature":
             kv = prefill_document(base, list(context_ids)[: max(p.quad_pairs)])
             keys, values = kv.keys, kv.values
-        module = build_module(p, keys, values, seed=seed).to(base.device).eval()
+        module = build_module(p, keys, values, seed=seed).to(device=base.device, dtype=base.dtype).eval()
         nbytes = sum(t.numel() * t.element_size() for t in module.state_dict().values())
         note = f"random-init {p.arch} module of the same architecture (rho={p.rho:g}); timing only"
         return BenchModule(ModuleDocState(module), nbytes, note)
@@ -144,10 +145,12 @@ def run_benchmark(base: BaseModel, context_ids: Sequence[int], prompt: list[int]
                   lengths: Sequence[int], module_for: ModuleFactory, new_tokens: int,
                   repeats: int = 1, progress: Callable[[int, int], None] | None = None
                   ) -> "BenchmarkResult":
-    """All systems at every length, after one untimed warm-up generation (kernels, allocator)."""
+    """All systems at every length, after an untimed warm-up pass of every system at the smallest
+    length (first-call costs — kernel selection, allocator growth, lazy init — are not measured)."""
     if new_tokens < 2:
         raise BenchmarkError(f"benchmark_new_tokens must be >= 2 to measure decoding, got {new_tokens}")
-    _timed_generate(base, None, min(lengths), prompt, 2)  # warm-up
+    with contextlib.suppress(BudgetError):
+        bench_length(base, context_ids, min(lengths), prompt, module_for, 2, 1)  # warm-up, discarded
     rows: list[BenchmarkRow] = []
     skipped: list[str] = []
     for i, n in enumerate(sorted(lengths)):
