@@ -176,6 +176,10 @@ def run_stage(
     except BaseException as exc:
         run.write_error(stage, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}")
         _record_invocation(run, stage, "failed")
+        try:
+            exc._nectar_recorded = True  # so callers don't record it twice
+        except AttributeError:
+            pass
         raise
     outputs = {name: hash_url(run.url(stage, name)) for name in files}
     cfg = config.cache_dict() if isinstance(config, FrozenConfig) else config
@@ -187,6 +191,14 @@ def run_stage(
     write_json_artifact(run.manifest_url(stage), manifest)
     _record_invocation(run, stage, "done")
     return StageOutcome(stage, "done", manifest, outputs)
+
+
+def record_failure(run: RunDir, stage: str, exc: BaseException) -> None:
+    """For failures before a stage's body started (bad inputs, imports): same traces as in-body ones."""
+    if getattr(exc, "_nectar_recorded", False):
+        return
+    run.write_error(stage, f"{type(exc).__name__}: {exc}")
+    _record_invocation(run, stage, "failed")
 
 
 def _record_invocation(run: RunDir, stage: str, status: str) -> None:

@@ -18,6 +18,7 @@ from prefect.artifacts import create_markdown_artifact, create_progress_artifact
 from prefect.runtime import flow_run
 
 from .. import orchestrate
+from ..runs import record_failure
 from ..schemas.config import STAGES
 from ..schemas.presets import load_config
 
@@ -97,6 +98,7 @@ def nectar_stage(run_dir: str, stage: str, force: bool = True) -> dict[str, Any]
         try:
             outcome = orchestrate.STAGE_RUNNERS[stage](ctx, force)
         except BaseException as exc:
+            record_failure(ctx.run, stage, exc)
             _publish_failure(ctx, stage, exc)
             raise
     logger.info("%s %s: %s %s", ctx.doc_id, stage, outcome.status, outcome.manifest.counts)
