@@ -107,10 +107,13 @@ def _code_version() -> str:
 
 
 def _context_tokens(config: PipelineConfig, text: str) -> int:
-    from .layout import build_layout
+    """n under the run's model; refuses up front a document that can't fit the model's window."""
+    from .layout import build_layout, check_fits
 
     base = _base(config)
-    return build_layout(base.tokenizer, text).n
+    layout = build_layout(base.tokenizer, text)
+    check_fits(layout, config.targets.max_query_tokens, base.max_context_tokens)
+    return layout.n
 
 
 def _base(config: PipelineConfig):
