@@ -125,6 +125,28 @@ def status(run_dir: str = typer.Argument(..., help="A run directory, or a folder
     print_runs_status(run_dir)
 
 
+@app.command()
+def ask(
+    run_dir: str = typer.Argument(..., help="A run directory whose train stage completed."),
+    question: str = typer.Argument(..., help="The question about the document."),
+    max_new_tokens: Optional[int] = typer.Option(None, help="Default: the run's evaluate setting."),
+    temperature: Optional[float] = typer.Option(None, help="0 for greedy; default: the run's evaluate setting."),
+    seed: int = typer.Option(0),
+) -> None:
+    """Answer a question from the trained module, without the document in the context (streams)."""
+    from ..ask import ask as ask_module
+    from ..modules.io import ModuleMismatch
+    from ..tables import ArtifactError
+
+    try:
+        ask_module(run_dir, question, stream=lambda text: (sys.stdout.write(text), sys.stdout.flush()),
+                   max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+    except (FileNotFoundError, ModuleMismatch, ArtifactError) as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(1)
+    sys.stdout.write("\n")
+
+
 def _print_status(run_dir: str) -> None:
     from ..orchestrate import available_stages
     from ..runs import RunDir, stage_status
