@@ -48,23 +48,27 @@ class DeployError(RuntimeError):
 def llm_overrides_from_env(env: Mapping[str, str]) -> list[str]:
     """Config overrides pointing every LLM role at the compose stack's OpenAI-compatible servers.
 
-    NECTAR_LLM_BASE_URL / NECTAR_GEN_MODEL: synthesis and the long-context re-answer (verify);
-    NECTAR_JUDGE_BASE_URL / NECTAR_JUDGE_MODEL: the judge of verify and evaluate (default: the
-    generation server and model). Nothing is overridden when NECTAR_LLM_BASE_URL is unset.
+    NECTAR_LLM_BASE_URL / NECTAR_GEN_MODEL        synthesis (and, by default, every other role)
+    NECTAR_ANSWER_BASE_URL / NECTAR_ANSWER_MODEL  verify's long-context re-answer
+    NECTAR_JUDGE_BASE_URL / NECTAR_JUDGE_MODEL    the judge of verify and evaluate
+    Unset or empty role variables fall back to the generation server and model; nothing is
+    overridden when NECTAR_LLM_BASE_URL is unset (the preset's own LLM settings apply).
     """
     gen_url = env.get("NECTAR_LLM_BASE_URL")
     if not gen_url:
         return []
-    gen_model = env.get("NECTAR_GEN_MODEL")
-    judge_url = env.get("NECTAR_JUDGE_BASE_URL") or gen_url
-    judge_model = env.get("NECTAR_JUDGE_MODEL") or gen_model
-    roles = {"synthesize.llm": (gen_url, gen_model), "verify.answer_llm": (gen_url, gen_model),
-             "verify.judge": (judge_url, judge_model), "evaluate.judge": (judge_url, judge_model)}
+    gen_model = env.get("NECTAR_GEN_MODEL") or None
+
+    def role(prefix: str) -> tuple[str, str | None]:
+        return env.get(f"NECTAR_{prefix}_BASE_URL") or gen_url, env.get(f"NECTAR_{prefix}_MODEL") or gen_model
+
+    roles = {"synthesize.llm": (gen_url, gen_model), "verify.answer_llm": role("ANSWER"),
+             "verify.judge": role("JUDGE"), "evaluate.judge": role("JUDGE")}
     out = []
-    for role, (url, model) in roles.items():
-        out += [f"{role}.backend=openai", f"{role}.base_url={url}"]
+    for name, (url, model) in roles.items():
+        out += [f"{name}.backend=openai", f"{name}.base_url={url}"]
         if model:
-            out.append(f"{role}.model={model}")
+            out.append(f"{name}.model={model}")
     return out
 
 
