@@ -1,8 +1,8 @@
 """The LLM judge (paper §4.3, App. G): three comparisons per sample, and Δs per task and split.
 
-  module_vs_truth  TRUTH_PROMPT with the task's rubric and the pair's context chunk
+  module_vs_truth  the ground-truth prompt with the task's rubric and the pair's context chunk
   base_vs_truth    the same for the full-context model's answer
-  module_vs_base   COMPARE_PROMPT (no context: agreement, not correctness)
+  module_vs_base   the comparison prompt (no context: agreement, not correctness)
 
 The judge is any chat backend from ``nectar.llm`` (an OpenAI-compatible endpoint or the local
 model); this file only renders prompts, calls ``chat_many`` once for the whole batch and parses.
@@ -14,10 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from ..prompts import EVAL_RUBRICS, EVAL_SCHEMA, eval_compare_prompt, eval_ground_truth_prompt
 from ..schemas.artifacts import JudgmentRow
-from ..schemas.config import TASK_TYPES
+from ..schemas.config import TASK_TYPES, LLMConfig
 from .judge_parse import parse_judgment
-from .prompts import COMPARE_PROMPT, RUBRICS, TRUTH_PROMPT, fill
 from .stats import score_gap
 
 COMPARISONS = ("module_vs_truth", "base_vs_truth", "module_vs_base")
@@ -36,27 +36,29 @@ class JudgeItem:
 
 
 def judge_prompt(item: JudgeItem, comparison: str) -> str:
+    """The App. G prompt for one comparison (templates verbatim in nectar/prompts/eval_*.txt)."""
     if comparison == "module_vs_base":
-        return fill(COMPARE_PROMPT, instruction=item.instruction, base_generated=item.full_output,
-                    generated=item.module_output)
-    if item.task not in RUBRICS:
+        return eval_compare_prompt(item.instruction, base_generated=item.full_output, generated=item.module_output)
+    if item.task not in EVAL_RUBRICS:
         raise ValueError(f"pair {item.pair_id}: no judge rubric for task {item.task!r}; "
-                         f"tasks are {sorted(RUBRICS)}")
+                         f"tasks are {sorted(EVAL_RUBRICS)}")
     generated = item.module_output if comparison == "module_vs_truth" else item.full_output
-    return fill(TRUTH_PROMPT, context_chunk=item.context_chunk, instruction=item.instruction,
-                ground_truth=item.ground_truth, generated=generated, rubric=RUBRICS[item.task])
+    return eval_ground_truth_prompt(item.task, item.context_chunk, item.instruction, item.ground_truth, generated)
 
 
 # (prompts) → [(text, error)] — the one call into the chat backend (see make_chat below).
 ChatFn = Callable[[list[str]], list[tuple[str | None, str | None]]]
 
 
-def make_chat(backend: Any) -> ChatFn:
-    """Adapt a ``nectar.llm`` backend: one user message per prompt, all sent in one chat_many."""
-    from ..llm import ChatRequest  # the chat backends' request type
+def make_chat(backend: Any, llm_cfg: LLMConfig) -> ChatFn:
+    """Adapt a ``nectar.llm`` backend: one user message per prompt, all in one ``chat_many``, with
+    the judge's sampling settings and, where the backend supports it, the {score, reasoning} JSON
+    schema as structured output (``llm_cfg.structured_output``). The reply text is still parsed
+    by ``parse_judgment``, so a server that ignores the schema is handled the same way."""
+    from ..llm import make_request
 
     def chat(prompts: list[str]) -> list[tuple[str | None, str | None]]:
-        results = backend.chat_many([ChatRequest(messages=[{"role": "user", "content": p}]) for p in prompts])
+        results = backend.chat_many([make_request(llm_cfg, p, json_schema=EVAL_SCHEMA) for p in prompts])
         return [(r.text, r.error) for r in results]
 
     return chat

@@ -3,7 +3,8 @@ import pytest
 from scipy import stats
 
 from nectar.evaluation.judge import JudgeItem, judge, judge_prompt, judge_summary
-from nectar.evaluation.prompts import COMPARE_PROMPT, RUBRICS, TRUTH_PROMPT
+from nectar.prompts import EVAL_RUBRICS as RUBRICS
+from nectar.prompts import template
 from nectar.schemas import JudgmentRow
 
 ITEM = JudgeItem("p1", "quoting", ("test", "challenge"), "Quote the line about {generated} oil.",
@@ -21,8 +22,7 @@ def test_prompts_are_the_papers_with_the_task_rubric():
     c = judge_prompt(ITEM, "module_vs_base")
     assert "CHUNK TEXT" not in c and "<response_a>\nfull says lamp oil\n</response_a>" in c
     assert "<response_b>\nmodule says lamp oil\n</response_b>" in c
-    assert TRUTH_PROMPT.count("{") - TRUTH_PROMPT.count("{\"") == 5  # five placeholders
-    assert "Score 3: one says 'football' and the other says 'swimming'." in COMPARE_PROMPT
+    assert "Score 3: one says 'football' and the other says 'swimming'." in template("eval_compare")
 
 
 def test_unknown_task_is_a_clear_error():
@@ -69,3 +69,23 @@ def test_summary_per_task_and_overall_matches_scipy():
     assert s["all"]["n_paired"] == 5 and s["all"]["delta_s"] == pytest.approx((1 + 2 + 0 + 3 + 0) / 5)
     assert s["all"]["agreement_mean"] == pytest.approx(24 / 6)
     assert list(s) == ["qa", "summarization", "all"]
+
+
+def test_judge_through_the_real_local_backend_on_the_tiny_model():
+    """A real chat backend (in-process, tiny random model): with the score schema enforced every
+    reply parses to 1..5; unconstrained, the random model's replies are recorded as parse errors."""
+    from nectar.evaluation.judge import make_chat
+    from nectar.llm import make_backend
+    from nectar.schemas import LLMConfig, ModelConfig
+
+    items = [JudgeItem("p1", "qa", ("test",), "What ran aground?", "The Meridian.", "The Meridian ran aground.",
+                       "the Meridian", "a schooner")]
+    for structured in (True, False):
+        cfg = LLMConfig(backend="local", temperature=0.0, max_new_tokens=24, structured_output=structured)
+        backend = make_backend(cfg, ModelConfig(name="tiny:llama"))
+        rows = judge(make_chat(backend, cfg), items)
+        assert len(rows) == 3 and all(r.raw for r in rows)
+        if structured:
+            assert all(r.parse_error is None and 1 <= r.score <= 5 for r in rows), [r.raw for r in rows]
+        else:
+            assert all(r.score is None and r.parse_error for r in rows), [r.raw for r in rows]
