@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 
 from ..prompts import EVAL_RUBRICS, EVAL_SCHEMA, eval_compare_prompt, eval_ground_truth_prompt
 from ..schemas.artifacts import JudgmentRow
-from ..schemas.config import TASK_TYPES, LLMConfig
+from ..schemas.config import TASK_TYPES, EvaluateConfig, LLMConfig
 from .judge_parse import parse_judgment
 from .stats import score_gap
 
@@ -50,12 +50,15 @@ def judge_prompt(item: JudgeItem, comparison: str) -> str:
 ChatFn = Callable[[list[str]], list[tuple[str | None, str | None]]]
 
 
-def make_chat(backend: Any, llm_cfg: LLMConfig) -> ChatFn:
+def make_chat(backend: Any, llm_cfg: LLMConfig | None = None) -> ChatFn:
     """Adapt a ``nectar.llm`` backend: one user message per prompt, all in one ``chat_many``, with
     the judge's sampling settings and, where the backend supports it, the {score, reasoning} JSON
     schema as structured output (``llm_cfg.structured_output``). The reply text is still parsed
     by ``parse_judgment``, so a server that ignores the schema is handled the same way."""
     from ..llm import make_request
+
+    if llm_cfg is None:  # callers should pass the run's evaluate.judge; this is its default
+        llm_cfg = EvaluateConfig().judge
 
     def chat(prompts: list[str]) -> list[tuple[str | None, str | None]]:
         results = backend.chat_many([make_request(llm_cfg, p, json_schema=EVAL_SCHEMA) for p in prompts])
