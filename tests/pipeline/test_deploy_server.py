@@ -121,6 +121,7 @@ def failed_then_retried(deployed):
     failed = dep.wait_for_run(first.id, RUN_TIMEOUT_S, poll_s=1)
     failed_stages = server_status.stage_runs(failed.id)
     failed_arts = server_status.artifacts([s.flow_run_id for s in failed_stages])
+    chunk_manifest = (Path(run_dir) / "chunk" / "manifest.json").read_text()
 
     config.write_text(yaml.safe_dump({"train": {"samples": 2000}}))  # the fix: default (local) LLM
     retried = dep.retry_flow_run(str(first.id))
@@ -128,7 +129,8 @@ def failed_then_retried(deployed):
     stages = server_status.stage_runs(done.id)
     arts = server_status.artifacts([s.flow_run_id for s in stages])
     return {"first": first, "failed": failed, "failed_stages": failed_stages, "failed_arts": failed_arts,
-            "done": done, "stages": stages, "arts": arts, "run_dir": run_dir, "port": port}
+            "done": done, "stages": stages, "arts": arts, "run_dir": run_dir, "port": port,
+            "chunk_manifest": chunk_manifest}
 
 
 def test_unreachable_llm_fails_the_run_with_its_error_in_the_api(failed_then_retried):
@@ -151,15 +153,34 @@ def test_retry_completes_the_same_run_with_earlier_stages_cached(failed_then_ret
     r = failed_then_retried
     assert r["done"].id == r["first"].id and r["done"].run_count >= 2
     assert r["done"].state.type.value == "COMPLETED", r["done"].state.message
-    latest = {}
-    for s in r["stages"]:  # the retried run's subflows come after the first attempt's
-        latest[s.stage] = s
-    assert all(s.state == "COMPLETED" for s in latest.values()), [(s.name, s.state) for s in latest.values()]
-    doc_id = latest["chunk"].name[: -len("-chunk")]
-    assert counts_of(r["arts"], doc_id, "chunk")["status"] == "cached"
+    by_stage: dict[str, list] = {}
+    for s in r["stages"]:
+        by_stage.setdefault(s.stage, []).append(s)
+    # The completed chunk subflow is not executed again: Prefect reuses its persisted result, and
+    # its manifest on disk is untouched. The failed stage runs again and completes.
+    assert [s.state for s in by_stage["chunk"]] == ["COMPLETED"]
+    assert (Path(r["run_dir"]) / "chunk" / "manifest.json").read_text() == r["chunk_manifest"]
+    assert [s.state for s in by_stage["synthesize"]] == ["FAILED", "COMPLETED"]
+    assert all(runs[-1].state == "COMPLETED" for runs in by_stage.values()), by_stage
+    doc_id = by_stage["chunk"][0].name[: -len("-chunk")]
     assert counts_of(r["arts"], doc_id, "synthesize")["status"] == "done"
     status = collect(r["run_dir"])[0]
     assert status.state == "complete", [(s.stage, s.state) for s in status.stages]
+
+
+def test_trigger_again_on_the_same_run_dir_is_all_cache_hits(failed_then_retried):
+    """The other way to retry: trigger the document again with the run directory."""
+    r = failed_then_retried
+    params = r["first"].parameters
+    run = dep.trigger(params["document"], preset="tiny", config_file=params["config_file"],
+                      run_dir=r["run_dir"])
+    done = dep.wait_for_run(run.id, RUN_TIMEOUT_S, poll_s=1)
+    assert done.state.type.value == "COMPLETED", done.state.message
+    stages = server_status.stage_runs(done.id)
+    arts = server_status.artifacts([s.flow_run_id for s in stages])
+    doc_id = stages[0].name[: -len("-chunk")]
+    assert {s.stage: counts_of(arts, doc_id, s.stage)["status"] for s in stages} == {
+        s.stage: "cached" for s in stages}
 
 
 def test_rerun_one_stage_through_its_deployment(failed_then_retried):
