@@ -125,8 +125,11 @@ def _client():
     return get_client(sync_client=True)
 
 
-def ensure_work_pool(pool: str = DEFAULT_POOL, gpus: int = 1) -> None:
-    """A process work pool with a ``gpu`` queue that runs at most ``gpus`` flow runs at once."""
+def ensure_work_pool(pool: str = DEFAULT_POOL, gpus: int | None = None) -> None:
+    """A process work pool with a ``gpu`` queue that runs at most ``gpus`` flow runs at once.
+
+    ``gpus=None`` keeps an existing queue's limit (a new queue gets 1).
+    """
     from prefect.client.schemas.actions import WorkPoolCreate
     from prefect.exceptions import ObjectNotFound
     from prefect.workers.process import ProcessWorker
@@ -143,11 +146,11 @@ def ensure_work_pool(pool: str = DEFAULT_POOL, gpus: int = 1) -> None:
                 base_job_template=ProcessWorker.get_default_base_job_template()))
         try:
             queue = client.read_work_queue_by_name(GPU_QUEUE, work_pool_name=pool)
-            if queue.concurrency_limit != gpus:
+            if gpus is not None and queue.concurrency_limit != gpus:
                 client.update_work_queue(queue.id, concurrency_limit=gpus)
         except ObjectNotFound:
             client.create_work_queue(GPU_QUEUE, description="stage re-runs that use the GPU",
-                                     work_pool_name=pool, concurrency_limit=gpus)
+                                     work_pool_name=pool, concurrency_limit=gpus or 1)
 
 
 def ensure_gpu_limit(gpus: int = 1, name: str = GPU_LIMIT) -> None:
@@ -379,7 +382,8 @@ def deploy_cmd(
     gpus: int = typer.Option(1, min=1, help="GPU stages allowed to run at once"),
     llm_from_env: bool = typer.Option(False, help="point LLM roles at NECTAR_LLM_BASE_URL/NECTAR_JUDGE_BASE_URL"),
     cron: str | None = typer.Option(None, help="also schedule --document on this cron"),
-    document: str | None = typer.Option(None, help="document URI (local path or fsspec URL) for --cron"),
+    document: str | None = typer.Option(None, help="also deploy doc-<name> for this document URI "
+                                                   "(local path or fsspec URL), on --cron if given"),
     run_dir: str | None = typer.Option(None, help="fixed run directory for the scheduled document"),
 ) -> None:
     """Register the pipeline and every stage as deployments (and optionally schedule a document)."""

@@ -97,6 +97,8 @@ def test_scheduled_document_deployment_is_read_back_with_cron_and_parameters(dep
         assert [(s.schedule.cron, s.schedule.timezone, s.active) for s in d.schedules] == [
             ("30 2 * * 1-5", "Europe/Paris", True)]
         assert set(d.tags) == {"nectar", "doc:employee-handbook"}
+    with client() as c:  # scheduling leaves the pool's GPU queue limit alone
+        assert c.read_work_queue_by_name(dep.GPU_QUEUE, work_pool_name=POOL).concurrency_limit == 1
     with pytest.raises(dep.DeployError, match="invalid cron"):
         dep.schedule_document(str(doc), "every tuesday", pool=POOL, working_dir=str(deployed["wd"]))
 
