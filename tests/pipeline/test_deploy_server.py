@@ -86,6 +86,7 @@ def test_deploy_registers_pipeline_and_stage_deployments_with_gpu_limits(deploye
 
 def test_scheduled_document_deployment_is_read_back_with_cron_and_parameters(deployed):
     doc = write_document(deployed["work"], "Employee Handbook.txt")
+    dep.ensure_work_pool(POOL, gpus=3)
     ids = dep.schedule_document(str(doc), "30 2 * * 1-5", pool=POOL, preset="tiny",
                                 overrides=["train.samples=500"], working_dir=str(deployed["wd"]),
                                 timezone="Europe/Paris")
@@ -98,7 +99,8 @@ def test_scheduled_document_deployment_is_read_back_with_cron_and_parameters(dep
             ("30 2 * * 1-5", "Europe/Paris", True)]
         assert set(d.tags) == {"nectar", "doc:employee-handbook"}
     with client() as c:  # scheduling leaves the pool's GPU queue limit alone
-        assert c.read_work_queue_by_name(dep.GPU_QUEUE, work_pool_name=POOL).concurrency_limit == 1
+        assert c.read_work_queue_by_name(dep.GPU_QUEUE, work_pool_name=POOL).concurrency_limit == 3
+    dep.ensure_work_pool(POOL, gpus=1)
     with pytest.raises(dep.DeployError, match="invalid cron"):
         dep.schedule_document(str(doc), "every tuesday", pool=POOL, working_dir=str(deployed["wd"]))
 
