@@ -1,6 +1,7 @@
 """JSON-schema constrained decoding with xgrammar (the grammar engine vLLM uses).
 
-One compiler per tokenizer; compiled grammars are cached by schema. Each constrained row of a
+One compiler per tokenizer per process, and compiled grammars cached by schema, shared by every
+backend in the process: compiling length-bounded strings (``maxLength``) costs seconds, once. Each constrained row of a
 batch gets its own GrammarMatcher: before sampling, the matcher fills that row's bit of the token
 bitmask and the bitmask sets every token the schema forbids to -inf; after sampling the chosen
 token is fed back to the matcher.
@@ -14,12 +15,17 @@ import torch
 import xgrammar as xgr
 
 
+_SHARED: dict[tuple, tuple[xgr.GrammarCompiler, dict[str, xgr.CompiledGrammar]]] = {}
+
+
 class SchemaGrammar:
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
         self.vocab_size = vocab_size
-        self._compiler = xgr.GrammarCompiler(info, max_threads=2)
-        self._compiled: dict[str, xgr.CompiledGrammar] = {}
+        key = (getattr(tokenizer, "name_or_path", ""), len(tokenizer), vocab_size, tuple(sorted(stop_token_ids)))
+        if key not in _SHARED:
+            info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+            _SHARED[key] = (xgr.GrammarCompiler(info, max_threads=2), {})
+        self._compiler, self._compiled = _SHARED[key]
 
     def matcher(self, schema: dict[str, Any]) -> xgr.GrammarMatcher:
         key = json.dumps(schema)  # not sort_keys: property order is the order the model must write them

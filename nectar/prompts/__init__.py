@@ -47,10 +47,11 @@ STRUCTURED_NOTE = (
     '[{"instruction": "...", "response": "..."}]} with exactly {count} pairs.'
 )
 
-# Length caps keep a small model inside its token budget (a truncated reply doesn't parse).
-SCRATCHPAD_MAX_CHARS = 800
-INSTRUCTION_MAX_CHARS = 400
-RESPONSE_MAX_CHARS = 1200
+# Length caps keep a small model inside its token budget (a truncated reply doesn't parse). Few
+# distinct values on purpose: xgrammar compiles each new string-length bound in ~1-5 s.
+SCRATCHPAD_MAX_CHARS = 600
+INSTRUCTION_MAX_CHARS = 600
+RESPONSE_MAX_CHARS = 600
 REASONING_MAX_CHARS = 240
 
 CONSISTENCY_SCHEMA: dict[str, Any] = {

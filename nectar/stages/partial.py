@@ -1,0 +1,49 @@
+"""Resumable stage work: one small parquet file per finished unit of work.
+
+A stage killed mid-way (Ctrl-C, OOM, a preempted worker) restarts where it stopped: finished
+units are files under ``<stage>/partial/``, written atomically, and skipped on the next run. A
+key file records what the partial results were computed for (config + inputs); if that changes,
+the stale files are discarded rather than mixed into new output.
+"""
+from __future__ import annotations
+
+from typing import Sequence, TypeVar
+
+import fsspec
+
+from ..schemas.base import Artifact
+from ..tables import read_table, write_table
+
+R = TypeVar("R", bound=Artifact)
+KEY_FILE = "key.txt"
+
+
+class PartialStore:
+    def __init__(self, url: str, key: str, row_cls: type[R]):
+        self.url = url.rstrip("/")
+        self.row_cls = row_cls
+        self.fs, self.path = fsspec.core.url_to_fs(self.url)
+        key_path = f"{self.path}/{KEY_FILE}"
+        if self.fs.exists(key_path) and self.fs.cat_file(key_path).decode() != key:
+            self.fs.rm(self.path, recursive=True)  # computed for another config or other inputs
+        self.fs.makedirs(self.path, exist_ok=True)
+        if not self.fs.exists(key_path):
+            self.fs.pipe_file(key_path, key.encode())
+
+    def done(self) -> set[str]:
+        names = set()
+        for p in self.fs.ls(self.path, detail=False):
+            name = p.rstrip("/").rsplit("/", 1)[-1]
+            if name.endswith(".parquet"):  # a killed write leaves only "*.parquet.tmp"
+                names.add(name[: -len(".parquet")])
+        return names
+
+    def write(self, name: str, rows: Sequence[Artifact]) -> None:
+        write_table(f"{self.url}/{name}.parquet", rows, self.row_cls)
+
+    def read(self, name: str) -> list[R]:
+        return read_table(f"{self.url}/{name}.parquet", self.row_cls)
+
+    def clear(self) -> None:
+        if self.fs.exists(self.path):
+            self.fs.rm(self.path, recursive=True)

@@ -1,0 +1,139 @@
+"""synthesize: instruction/response pairs from each chunk with the paper's prompts (App. A.1, H).
+
+One request per (chunk, task type) with count > 0: the paper's scratchpad prompt, asked as
+JSON-schema structured output {"scratchpad", "pairs": [{instruction, response}] × count} so the
+scratchpad still comes first; without a schema the paper's plain form "<scratchpad>…</scratchpad>
+[ … ]" is parsed tolerantly. Every request's rows are written to ``partial/c{chunk}-{task}.parquet``
+as soon as it finishes, so a killed run resumes without redoing finished requests. A reply that
+doesn't parse becomes one row with ``parse_error`` set — counted, never dropped.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from ..llm import ChatBackend, ChatResult, make_request
+from ..llm.parsing import find_all_json, find_json
+from ..prompts import synthesis_prompt, synthesis_schema
+from ..schemas.artifacts import ChunkRow, PairRow
+from ..schemas.base import stable_hash
+from ..schemas.config import TASK_TYPES, SynthesizeConfig, TaskType
+from ..tables import write_table
+from .partial import PartialStore
+
+PAIRS_FILE = "pairs.parquet"
+# Small models name the fields differently; these are read as instruction / response.
+_INSTRUCTION_KEYS = ("instruction", "question", "prompt", "query")
+_RESPONSE_KEYS = ("response", "answer", "output")
+
+
+def synthesize(chunks: list[ChunkRow], cfg: SynthesizeConfig, backend: ChatBackend, out_url: str,
+               progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """Write ``<out_url>/pairs.parquet`` (PairRow) and return counts."""
+    chunks = chunks[: cfg.max_chunks] if cfg.max_chunks is not None else chunks
+    jobs = [(c, task, cfg.counts[task]) for c in chunks for task in TASK_TYPES if cfg.counts.get(task, 0) > 0]
+    if not jobs:
+        raise ValueError("synthesize has nothing to do: no chunks, or every synthesize.counts entry is 0")
+    store = PartialStore(f"{out_url.rstrip('/')}/partial", _partial_key(chunks, cfg), PairRow)
+    finished = store.done()
+    pending = [j for j in jobs if _job_name(j[0], j[1]) not in finished]
+    requests = [
+        make_request(cfg.llm, synthesis_prompt(task, c.text, n, cfg.llm.structured_output),
+                     json_schema=synthesis_schema(n), seed=_seed(cfg.llm.seed, c.chunk_id, task))
+        for c, task, n in pending
+    ]
+
+    def on_result(i: int, result: ChatResult) -> None:
+        c, task, _ = pending[i]
+        store.write(_job_name(c, task), rows_from_result(c.chunk_id, task, result))
+
+    base = len(jobs) - len(pending)
+    report = (lambda d, t: progress(base + d, len(jobs))) if progress else None
+    if report:
+        report(0, len(pending))
+    backend.chat_many(requests, progress=report, on_result=on_result)
+
+    rows = [row for c, task, _ in jobs for row in store.read(_job_name(c, task))]
+    write_table(f"{out_url.rstrip('/')}/{PAIRS_FILE}", rows, PairRow)
+    store.clear()  # pairs.parquet holds everything now; a forced re-run starts fresh
+    return _counts(rows, len(jobs), len(chunks), resumed=base)
+
+
+def rows_from_result(chunk_id: int, task: TaskType, result: ChatResult) -> list[PairRow]:
+    pairs, error = parse_pairs(result)
+    stem = f"c{chunk_id}-{task}"
+    rows = [PairRow(pair_id=f"{stem}-{k}", chunk_id=chunk_id, task=task, instruction=ins, response=resp,
+                    raw_output=result.text) for k, (ins, resp) in enumerate(pairs)]
+    if error is not None:
+        rows.append(PairRow(pair_id=f"{stem}-{len(pairs)}", chunk_id=chunk_id, task=task, instruction="",
+                            response="", raw_output=result.text, parse_error=error))
+    return rows
+
+
+def parse_pairs(result: ChatResult) -> tuple[list[tuple[str, str]], str | None]:
+    """The (instruction, response) pairs in a reply, and an error describing what didn't parse."""
+    if result.error is not None:
+        return [], f"request failed: {result.error}"
+    text = result.text
+    obj = find_json(text, lambda v: isinstance(v, dict) and isinstance(v.get("pairs"), list))
+    items = obj["pairs"] if obj is not None else find_json(text, _is_pair_list)
+    if items is None:  # e.g. cut off by the token limit: keep the items that did complete
+        items = find_all_json(text, _is_pair_dict)
+    cut = " (the reply was cut off at max_new_tokens)" if result.finish_reason == "length" else ""
+    if not items:
+        return [], "no JSON list of {instruction, response} pairs in the reply" + cut
+    pairs, bad = [], []
+    for k, item in enumerate(items):
+        ins, resp = _field(item, _INSTRUCTION_KEYS), _field(item, _RESPONSE_KEYS)
+        if ins and resp:
+            pairs.append((ins, resp))
+        else:
+            bad.append(k)
+    if not pairs:
+        return [], f"{len(items)} item(s) but none has a non-empty instruction and response" + cut
+    if bad:
+        return pairs, f"item(s) {bad} lack a non-empty instruction or response" + cut
+    return pairs, None
+
+
+def _field(item: Any, keys: tuple[str, ...]) -> str:
+    if not isinstance(item, dict):
+        return ""
+    for key in keys:
+        value = item.get(key)
+        if isinstance(value, str) and value.strip():
+            return value.strip()
+    return ""
+
+
+def _is_pair_dict(value: Any) -> bool:
+    return isinstance(value, dict) and bool(_field(value, _INSTRUCTION_KEYS)) and any(k in value for k in _RESPONSE_KEYS)
+
+
+def _is_pair_list(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(v, dict) for v in value) and any(
+        _is_pair_dict(v) for v in value)
+
+
+def _job_name(chunk: ChunkRow, task: str) -> str:
+    return f"c{chunk.chunk_id}-{task}"
+
+
+def _seed(seed: int, chunk_id: int, task: str) -> int:
+    """Per-request seed: fixed by (config seed, chunk, task), so a resumed run samples the same."""
+    return int(stable_hash({"seed": seed, "chunk": chunk_id, "task": task})[:8], 16)
+
+
+def _partial_key(chunks: list[ChunkRow], cfg: SynthesizeConfig) -> str:
+    return stable_hash({"config": cfg.cache_dict(), "chunks": [(c.chunk_id, c.text) for c in chunks]})
+
+
+def _counts(rows: list[PairRow], n_requests: int, n_chunks: int, resumed: int) -> dict[str, Any]:
+    by_task = {t: 0 for t in TASK_TYPES}
+    for r in rows:
+        if r.parse_error is None:
+            by_task[r.task] += 1
+    return {
+        "chunks": n_chunks, "requests": n_requests, "resumed_requests": resumed,
+        "pairs": sum(by_task.values()), "pairs_by_task": by_task,
+        "parse_failures": sum(1 for r in rows if r.parse_error is not None),
+    }
