@@ -47,3 +47,10 @@ class PartialStore:
     def clear(self) -> None:
         if self.fs.exists(self.path):
             self.fs.rm(self.path, recursive=True)
+
+
+def clear_partial(url: str) -> None:
+    """Remove a stage's partial results once its final artifact holds everything."""
+    fs, path = fsspec.core.url_to_fs(url.rstrip("/"))
+    if fs.exists(path):
+        fs.rm(path, recursive=True)

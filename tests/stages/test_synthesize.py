@@ -30,8 +30,12 @@ CFG = SynthesizeConfig(counts={"qa": 2, "summarization": 1, "quoting": 0, "parap
 
 @pytest.fixture(scope="module")
 def tiny_backend():
-    torch.set_num_threads(2)
-    return LocalBackend(load_base_model(ModelConfig(name="tiny:llama")), batch_size=4)
+    # The tiny model's ops are too small to gain from a second thread, and on a shared 2-core
+    # machine spin-waiting OpenMP threads can make them 10x slower. Restored afterwards.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield LocalBackend(load_base_model(ModelConfig(name="tiny:llama")), batch_size=4)
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,344 @@
+"""verify: re-answer with the whole document, judge consistency, filter, split (App. A.1, E, H).
+
+1. A long-context model re-answers every instruction with the WHOLE document (the paper's answer
+   prompt; the document comes first, so every request shares one prefix KV cache locally).
+2. A judge compares the chunk answer (the synthesized response) with the full-document answer
+   (consistency prompt + per-task guidance, JSON {is_consistent, confidence, reasoning}).
+3. Verdicts: insufficient_context (either answer says INSUFFICIENT_CONTEXT; not judged),
+   judge_parse_error, inconsistent, low_confidence (< min_confidence), consistent (kept);
+   synthesis parse errors carry through as synthesis_parse_error.
+4. Identical (normalised) instructions: the best one stays, the others become duplicate.
+5. Fewer than ``min_kept`` kept → the most confident low_confidence rows are kept too
+   (kept_by_floor), because tiny models rarely pass a strict judge.
+6. Seeded 80/20 train/test split of kept rows; challenge = the test instructions least similar
+   (max cosine, all-MiniLM-L6-v2) to any training instruction.
+Every row — dropped ones included, with their verdict — is written to dataset.parquet. Answers
+and judgments are saved in partial files as they arrive, so a killed run resumes.
+"""
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from ..layout import ContextTooLongError
+from ..llm import ChatBackend, ChatResult, make_request
+from ..llm.parsing import find_json
+from ..prompts import CONSISTENCY_SCHEMA, INSUFFICIENT, answer_prompt, consistency_prompt
+from ..schemas.artifacts import DatasetRow, PairRow
+from ..schemas.base import Artifact, stable_hash
+from ..schemas.config import VerifyConfig
+from ..tables import write_table
+from .partial import PartialStore, clear_partial
+
+DATASET_FILE = "dataset.parquet"
+
+
+class VerifyError(RuntimeError):
+    """Some answer/judge requests failed outright; what succeeded is saved for the re-run."""
+
+
+class AnswerRow(Artifact):  # partial results: one full-document answer
+    pair_id: str
+    text: str
+
+
+class JudgeRow(Artifact):  # partial results: one raw judge reply
+    pair_id: str
+    text: str
+
+
+@dataclass(frozen=True)
+class Judgment:
+    is_consistent: bool | None
+    confidence: float | None
+    reasoning: str
+    error: str | None = None
+
+
+def verify(document_text: str, pairs: list[PairRow], cfg: VerifyConfig, answer_backend: ChatBackend,
+           judge_backend: ChatBackend, embedder_path: str, out_url: str,
+           progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """Write ``<out_url>/dataset.parquet`` (DatasetRow, every pair) and return counts."""
+    out_url = out_url.rstrip("/")
+    candidates = [p for p in pairs if p.parse_error is None]
+    check_document_fits(document_text, candidates, cfg, answer_backend)
+    ticker = _Ticker(progress, 2 * len(candidates))
+    answers = _answer_all(document_text, candidates, cfg, answer_backend, out_url, ticker)
+    to_judge = [p for p in candidates if not _insufficient(p.response, answers[p.pair_id])]
+    ticker.total = len(candidates) + len(to_judge)
+    raw = _judge_all(to_judge, answers, cfg, judge_backend, out_url, answers_key=_answers_key(document_text,
+                                                                                              candidates, cfg),
+                     ticker=ticker)
+    rows = [_row(p, answers.get(p.pair_id, ""), raw.get(p.pair_id), cfg.min_confidence) for p in pairs]
+    rows = deduplicate(rows)
+    rows, floor = apply_floor(rows, cfg.min_kept)
+    rows = split_rows(rows, cfg.test_fraction, cfg.seed)
+    rows = mark_challenge(rows, cfg.challenge_size, embedder_path)
+    write_table(f"{out_url}/{DATASET_FILE}", rows, DatasetRow)
+    clear_partial(f"{out_url}/partial")  # the dataset holds everything now; a forced re-run starts fresh
+    return _counts(rows, floor, len(candidates), len(to_judge))
+
+
+# ----- 0. the document must fit the answer model -----
+
+def check_document_fits(document: str, pairs: Sequence[PairRow], cfg: VerifyConfig, backend: ChatBackend) -> None:
+    """Refuse up front (before any request) a document the answer model can't read whole."""
+    window = backend.context_window()
+    if window is None or not pairs:
+        return  # a server enforces its own window (and answers 400, which fails the stage clearly)
+    longest = max(pairs, key=lambda p: len(p.instruction)).instruction
+    n_doc = backend.prompt_tokens(make_request(cfg.answer_llm, answer_prompt(document, "")))
+    n_max = backend.prompt_tokens(make_request(cfg.answer_llm, answer_prompt(document, longest)))
+    total = n_max + cfg.answer_llm.max_new_tokens
+    if total > window:
+        raise ContextTooLongError(
+            f"verification needs the whole document in the answer model's context: the answer prompt with the "
+            f"document is {n_doc} tokens, with the longest instruction and {cfg.answer_llm.max_new_tokens} answer "
+            f"tokens {total}, over the answer model's window of {window} tokens. Use a shorter document or a "
+            "long-context answer model (verify.answer_llm).")
+
+
+# ----- 1-2. answers and judgments, resumable -----
+
+def _answer_all(document: str, pairs: list[PairRow], cfg: VerifyConfig, backend: ChatBackend, out_url: str,
+                ticker: "_Ticker") -> dict[str, str]:
+    store = PartialStore(f"{out_url}/partial/answers", _answers_key(document, pairs, cfg), AnswerRow)
+    requests = {p.pair_id: make_request(cfg.answer_llm, answer_prompt(document, p.instruction),
+                                        seed=_seed(cfg.answer_llm.seed, p.pair_id)) for p in pairs}
+    return _run_resumable(store, requests, backend, ticker, "answer")
+
+
+def _judge_all(pairs: list[PairRow], answers: dict[str, str], cfg: VerifyConfig, backend: ChatBackend,
+               out_url: str, answers_key: str, ticker: "_Ticker") -> dict[str, str]:
+    key = stable_hash({"answers": answers_key, "judge": cfg.judge.cache_dict(),
+                       "pairs": [(p.pair_id, p.task, p.response) for p in pairs]})
+    store = PartialStore(f"{out_url}/partial/judgments", key, JudgeRow)
+    requests = {p.pair_id: make_request(cfg.judge, consistency_prompt(p.task, p.instruction, p.response,
+                                                                      answers[p.pair_id]),
+                                        json_schema=CONSISTENCY_SCHEMA, seed=_seed(cfg.judge.seed, p.pair_id))
+                for p in pairs}
+    return _run_resumable(store, requests, backend, ticker, "judge")
+
+
+def _run_resumable(store: PartialStore, requests: dict[str, Any], backend: ChatBackend, ticker: "_Ticker",
+                   what: str) -> dict[str, str]:
+    """Run the requests not already in ``store``; save replies in batches as they arrive."""
+    done: dict[str, str] = {}
+    for name in sorted(store.done()):
+        done.update({r.pair_id: r.text for r in store.read(name)})
+    ticker.add(len([k for k in requests if k in done]))
+    pending = [k for k in requests if k not in done]
+    failures: list[str] = []
+    buffer: list[Artifact] = []
+    flush_every = max(8, getattr(backend, "batch_size", 8), getattr(backend, "max_concurrency", 8))
+    seq = len(store.done())
+
+    def flush() -> None:
+        nonlocal seq, buffer
+        if buffer:
+            store.write(f"{what}-{seq:06d}", buffer)
+            seq, buffer = seq + 1, []
+
+    def on_result(i: int, result: ChatResult) -> None:
+        pid = pending[i]
+        ticker.add(1)
+        if result.error is not None:
+            failures.append(f"{pid}: {result.error}")
+            return  # not saved: the re-run retries it
+        done[pid] = result.text
+        buffer.append(store.row_cls(pair_id=pid, text=result.text))
+        if len(buffer) >= flush_every:
+            flush()
+
+    try:
+        backend.chat_many([requests[k] for k in pending], on_result=on_result)
+    finally:
+        flush()  # keep what arrived, also when the backend raised (e.g. server gone)
+    if failures:
+        raise VerifyError(f"{len(failures)} of {len(pending)} {what} request(s) failed (first: {failures[0]}); "
+                          f"the {len(pending) - len(failures)} that succeeded are saved and a re-run retries "
+                          "only the failed ones")
+    return done
+
+
+# ----- 3. verdicts -----
+
+def parse_judgment(text: str | None) -> Judgment:
+    if text is None:
+        return Judgment(None, None, "", error="not judged")
+    obj = find_json(text, lambda v: isinstance(v, dict) and "is_consistent" in v)
+    if obj is None:
+        return Judgment(None, None, "", error="no JSON object with is_consistent in the judge reply")
+    verdict = obj.get("is_consistent")
+    if isinstance(verdict, str) and verdict.strip().lower() in ("true", "false"):
+        verdict = verdict.strip().lower() == "true"
+    confidence = obj.get("confidence")
+    if isinstance(confidence, str):
+        try:
+            confidence = float(confidence.strip().rstrip("%")) / (100 if confidence.strip().endswith("%") else 1)
+        except ValueError:
+            confidence = None
+    if isinstance(confidence, (int, float)) and not isinstance(confidence, bool) and 1 < confidence <= 100:
+        confidence = confidence / 100  # "85" meaning 85 %
+    reasoning = obj.get("reasoning") if isinstance(obj.get("reasoning"), str) else ""
+    if not isinstance(verdict, bool):
+        return Judgment(None, None, reasoning, error=f"is_consistent is {verdict!r}, not true/false")
+    if not isinstance(confidence, (int, float)) or isinstance(confidence, bool) or not 0 <= confidence <= 1:
+        return Judgment(verdict, None, reasoning, error=f"confidence {obj.get('confidence')!r} is not in [0, 1]")
+    return Judgment(verdict, float(confidence), reasoning)
+
+
+def _insufficient(*answers: str) -> bool:
+    return any(INSUFFICIENT in a for a in answers)
+
+
+def _row(pair: PairRow, full_answer: str, judge_raw: str | None, min_confidence: float) -> DatasetRow:
+    base = dict(pair_id=pair.pair_id, chunk_id=pair.chunk_id, task=pair.task, instruction=pair.instruction,
+                response=pair.response, full_answer=full_answer, judge_raw=judge_raw or "", split="dropped",
+                kept=False, is_consistent=None, confidence=None, reasoning="")
+    if pair.parse_error is not None:
+        return DatasetRow(**{**base, "reasoning": pair.parse_error}, verdict="synthesis_parse_error")
+    if _insufficient(pair.response, full_answer):
+        return DatasetRow(**base, verdict="insufficient_context")
+    j = parse_judgment(judge_raw)
+    fields = {**base, "is_consistent": j.is_consistent, "confidence": j.confidence,
+              "reasoning": j.reasoning if j.error is None else f"{j.error}. {j.reasoning}".strip()}
+    if j.error is not None:
+        return DatasetRow(**fields, verdict="judge_parse_error")
+    if not j.is_consistent:
+        return DatasetRow(**fields, verdict="inconsistent")
+    if j.confidence < min_confidence:
+        return DatasetRow(**fields, verdict="low_confidence")
+    return DatasetRow(**{**fields, "kept": True, "split": "train"}, verdict="consistent")
+
+
+# ----- 4-5. duplicates and the floor -----
+
+def normalize_instruction(text: str) -> str:
+    return re.sub(r"\s+", " ", text.lower()).strip(" \t\n.?!:;\"'")
+
+
+def deduplicate(rows: list[DatasetRow]) -> list[DatasetRow]:
+    """Among keepable rows with the same normalised instruction, keep the best; mark others duplicate."""
+    best: dict[str, int] = {}
+    for i, r in enumerate(rows):
+        if r.verdict not in ("consistent", "low_confidence"):
+            continue
+        key = normalize_instruction(r.instruction)
+        j = best.get(key)
+        if j is None or _rank(r) > _rank(rows[j]):
+            best[key] = i
+    winners = set(best.values())
+    out = []
+    for i, r in enumerate(rows):
+        if r.verdict in ("consistent", "low_confidence") and i not in winners:
+            r = r.model_copy(update={"verdict": "duplicate", "kept": False, "split": "dropped"})
+        out.append(r)
+    return out
+
+
+def _rank(r: DatasetRow) -> tuple[bool, float]:
+    return (r.verdict == "consistent", r.confidence or 0.0)
+
+
+def apply_floor(rows: list[DatasetRow], min_kept: int) -> tuple[list[DatasetRow], int]:
+    """Keep the most confident low_confidence rows until ``min_kept`` rows are kept."""
+    missing = min_kept - sum(r.kept for r in rows)
+    if missing <= 0:
+        return rows, 0
+    pool = sorted((i for i, r in enumerate(rows) if r.verdict == "low_confidence"),
+                  key=lambda i: -(rows[i].confidence or 0.0))[:missing]
+    out = list(rows)
+    for i in pool:
+        out[i] = rows[i].model_copy(update={"kept": True, "kept_by_floor": True, "split": "train"})
+    return out, len(pool)
+
+
+# ----- 6-7. splits -----
+
+def split_rows(rows: list[DatasetRow], test_fraction: float, seed: int) -> list[DatasetRow]:
+    kept = [i for i, r in enumerate(rows) if r.kept]
+    n_test = round(len(kept) * test_fraction)
+    if len(kept) >= 2:
+        n_test = min(max(n_test, 1), len(kept) - 1)  # both splits non-empty
+    else:
+        n_test = 0
+    order = list(kept)
+    random.Random(seed).shuffle(order)
+    test = set(order[:n_test])
+    return [r.model_copy(update={"split": "test" if i in test else "train"}) if r.kept else r
+            for i, r in enumerate(rows)]
+
+
+def mark_challenge(rows: list[DatasetRow], challenge_size: int, embedder_path: str) -> list[DatasetRow]:
+    """For each test instruction its max cosine similarity to any training instruction; the
+    ``challenge_size`` least similar test rows are the challenge split (they stay test rows)."""
+    train = [r.instruction for r in rows if r.split == "train"]
+    test_idx = [i for i, r in enumerate(rows) if r.split == "test"]
+    if not train or not test_idx:
+        return rows
+    sims = max_similarity([rows[i].instruction for i in test_idx], train, embedder_path)
+    ranked = sorted(range(len(test_idx)), key=lambda k: sims[k])[:max(0, challenge_size)]
+    challenge = {test_idx[k] for k in ranked}
+    out = list(rows)
+    for k, i in enumerate(test_idx):
+        out[i] = rows[i].model_copy(update={"max_train_similarity": round(sims[k], 6), "challenge": i in challenge})
+    return out
+
+
+def max_similarity(queries: list[str], corpus: list[str], embedder_path: str) -> list[float]:
+    import torch
+
+    model = _embedder(embedder_path)
+    q = model.encode(queries, convert_to_tensor=True, normalize_embeddings=True)  # [n_test, e]
+    c = model.encode(corpus, convert_to_tensor=True, normalize_embeddings=True)  # [n_train, e]
+    with torch.inference_mode():
+        return (q @ c.T).max(dim=1).values.tolist()  # [n_test]
+
+
+_EMBEDDERS: dict[str, Any] = {}
+
+
+def _embedder(path: str):
+    if path not in _EMBEDDERS:
+        from sentence_transformers import SentenceTransformer
+
+        _EMBEDDERS[path] = SentenceTransformer(path, device="cpu")
+    return _EMBEDDERS[path]
+
+
+# ----- bookkeeping -----
+
+def _seed(seed: int, pair_id: str) -> int:
+    """Per-request seed from (config seed, pair): independent of batching and of resumes."""
+    return int(stable_hash({"seed": seed, "pair": pair_id})[:8], 16)
+
+
+def _answers_key(document: str, pairs: list[PairRow], cfg: VerifyConfig) -> str:
+    return stable_hash({"doc": stable_hash(document), "answer": cfg.answer_llm.cache_dict(),
+                        "instructions": [(p.pair_id, p.instruction) for p in pairs]})
+
+
+class _Ticker:
+    def __init__(self, progress: Callable[[int, int], None] | None, total: int):
+        self.progress, self.total, self.done = progress, total, 0
+
+    def add(self, n: int) -> None:
+        self.done += n
+        if self.progress is not None and n:
+            self.progress(self.done, max(self.total, self.done))
+
+
+def _counts(rows: list[DatasetRow], floor: int, n_answered: int, n_judged: int) -> dict[str, Any]:
+    verdicts: dict[str, int] = {}
+    for r in rows:
+        verdicts[r.verdict] = verdicts.get(r.verdict, 0) + 1
+    return {
+        "pairs": len(rows), "answer_requests": n_answered, "judge_requests": n_judged,
+        "kept": sum(r.kept for r in rows), "dropped": sum(not r.kept for r in rows),
+        "kept_by_floor": floor, "verdicts": verdicts,
+        "train": sum(r.split == "train" for r in rows), "test": sum(r.split == "test" for r in rows),
+        "challenge": sum(r.challenge for r in rows),
+    }

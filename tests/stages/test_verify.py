@@ -1,0 +1,200 @@
+"""verify: verdict rules, dedup, floor, splits, challenge (real MiniLM), the whole stage on the tiny
+model (prefix reuse, resume, failures) and the too-long-document refusal."""
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+from stage_helpers import Counting, CrashAfter, SimulatedKill
+
+from nectar.layout import ContextTooLongError
+from nectar.llm import ChatResult, LLMUnavailableError
+from nectar.llm.local import LocalBackend
+from nectar.llm.openai_backend import OpenAIBackend
+from nectar.models import embedder_path, load_base_model
+from nectar.schemas.artifacts import DatasetRow, PairRow
+from nectar.schemas.config import LLMConfig, ModelConfig, VerifyConfig
+from nectar.stages.verify import (VerifyError, apply_floor, deduplicate, mark_challenge, parse_judgment,
+                                  split_rows, verify)
+from nectar.tables import read_table
+
+DOC = ("Names refer to objects. Names are introduced by name binding operations. A block is a piece of "
+       "Python program text that is executed as a unit. A scope defines the visibility of a name within a "
+       "block. When a name is not found at all, a NameError exception is raised. ") * 3
+QUESTIONS = [
+    ("qa", "What do names refer to in Python?", "Objects."),
+    ("qa", "What exception is raised when a name is not found?", "NameError."),
+    ("qa", "What is a block in Python?", "Program text executed as a unit."),
+    ("summarization", "Summarize how Python defines scopes.", "A scope defines where a name is visible."),
+    ("quoting", "Quote the definition of a block.", "A block is a piece of Python program text."),
+    ("paraphrasing", "Paraphrase the rule about name binding.", "Binding operations introduce names."),
+    ("qa", "What do names refer to in Python", "To objects."),  # a duplicate of the first
+    ("qa", "Which operations introduce names?", "INSUFFICIENT_CONTEXT"),
+    ("qa", "How is the visibility of a name defined?", "By its scope."),
+    ("qa", "What happens with an unbound name?", "A NameError is raised."),
+]
+TINY_LLM = dict(backend="local", batch_size=4, temperature=1.0, top_p=1.0)
+CFG = VerifyConfig(answer_llm=LLMConfig(**{**TINY_LLM, "temperature": 0.0}, max_new_tokens=6),
+                   judge=LLMConfig(**TINY_LLM, max_new_tokens=100), min_kept=4, challenge_size=1)
+
+
+def make_pairs() -> list[PairRow]:
+    rows = [PairRow(pair_id=f"c0-{t}-{k}", chunk_id=0, task=t, instruction=q, response=a, raw_output="{...}")
+            for k, (t, q, a) in enumerate(QUESTIONS)]
+    rows.append(PairRow(pair_id="c1-qa-0", chunk_id=1, task="qa", instruction="", response="", raw_output="junk",
+                        parse_error="no JSON list of {instruction, response} pairs in the reply"))
+    return rows
+
+
+@pytest.fixture(scope="module")
+def tiny_backend():
+    # The tiny model's ops are too small to gain from a second thread, and on a shared 2-core
+    # machine spin-waiting OpenMP threads can make them 10x slower. Restored afterwards.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield LocalBackend(load_base_model(ModelConfig(name="tiny:llama")), batch_size=4)
+    torch.set_num_threads(before)
+
+
+def drow(pid: str, instruction: str, verdict: str, confidence: float | None = 0.9, **kw) -> DatasetRow:
+    kept = verdict == "consistent"
+    return DatasetRow(pair_id=pid, chunk_id=0, task="qa", instruction=instruction, response="r", full_answer="f",
+                      judge_raw="{}", is_consistent=verdict != "inconsistent", confidence=confidence,
+                      reasoning="", verdict=verdict, kept=kept, split="train" if kept else "dropped", **kw)
+
+
+# ----- pure rules -----
+
+@pytest.mark.parametrize("text,expect", [
+    ('{"is_consistent": true, "confidence": 0.8, "reasoning": "same"}', (True, 0.8, None)),
+    ('Evaluation:\n```json\n{"is_consistent": "false", "confidence": "0.3", "reasoning": "x"}\n```', (False, 0.3, None)),
+    ('{"is_consistent": true, "confidence": 85}', (True, 0.85, None)),
+    ('{"is_consistent": "maybe", "confidence": 0.5}', (None, None, "not true/false")),
+    ('{"is_consistent": true, "confidence": 7000}', (True, None, "not in [0, 1]")),
+    ("The responses look consistent to me.", (None, None, "no JSON object")),
+])
+def test_parse_judgment(text, expect):
+    j = parse_judgment(text)
+    assert (j.is_consistent, j.confidence) == expect[:2]
+    assert (j.error is None) if expect[2] is None else (expect[2] in j.error)
+
+
+def test_dedup_keeps_the_best_of_identical_instructions():
+    rows = [drow("a", "What is a Scope?", "low_confidence", 0.5), drow("b", "what is a  scope", "consistent", 0.8),
+            drow("c", "What is a scope?!", "consistent", 0.95), drow("d", "What is a scope", "inconsistent")]
+    out = deduplicate(rows)
+    assert [r.verdict for r in out] == ["duplicate", "duplicate", "consistent", "inconsistent"]
+    assert [r.kept for r in out] == [False, False, True, False]
+
+
+def test_floor_keeps_most_confident_low_confidence_rows():
+    rows = [drow("a", "q1", "consistent"), drow("b", "q2", "low_confidence", 0.6), drow("c", "q3", "low_confidence", 0.2),
+            drow("d", "q4", "low_confidence", 0.4), drow("e", "q5", "inconsistent", 0.99)]
+    out, n = apply_floor(rows, 3)
+    assert n == 2 and [r.pair_id for r in out if r.kept] == ["a", "b", "d"]
+    assert [r.kept_by_floor for r in out] == [False, True, False, True, False]
+    assert apply_floor(rows, 1) == (rows, 0)
+
+
+def test_split_is_seeded_80_20_and_leaves_dropped_rows_alone():
+    rows = [drow(f"p{i}", f"q{i}", "consistent") for i in range(20)] + [drow("x", "qx", "inconsistent")]
+    a, b, c = split_rows(rows, 0.2, 0), split_rows(rows, 0.2, 0), split_rows(rows, 0.2, 1)
+    assert [r.split for r in a] == [r.split for r in b] != [r.split for r in c]
+    assert sum(r.split == "test" for r in a) == 4 and sum(r.split == "train" for r in a) == 16
+    assert a[-1].split == "dropped"
+    two = split_rows(rows[:2], 0.2, 0)
+    assert sorted(r.split for r in two) == ["test", "train"]  # both splits non-empty when possible
+
+
+def test_challenge_is_the_least_similar_test_instructions_with_real_minilm():
+    train = ["What exception is raised for an unknown name?", "What does a scope define?",
+             "How are names bound to objects?"]
+    test = ["Which exception is raised when a name is unknown?", "What is the boiling point of water at sea level?",
+            "What does the scope of a name define?"]
+    rows = [drow(f"t{i}", q, "consistent") for i, q in enumerate(train)]
+    rows += [drow(f"s{i}", q, "consistent").model_copy(update={"split": "test"}) for i, q in enumerate(test)]
+    out = mark_challenge(rows, 1, embedder_path())
+    assert [r.pair_id for r in out if r.challenge] == ["s1"]  # the off-topic question
+    sims = {r.pair_id: r.max_train_similarity for r in out if r.split == "test"}
+    assert sims["s1"] < 0.3 < sims["s0"] and sims["s2"] > 0.5
+    assert all(r.max_train_similarity is None for r in out if r.split == "train")
+
+
+# ----- the stage on the tiny model -----
+
+def test_verify_tiny_model_end_to_end(tmp_path, tiny_backend):
+    pairs = make_pairs()
+    answer = LocalBackend(tiny_backend.base, batch_size=4)
+    counts = verify(DOC, pairs, CFG, answer, tiny_backend, embedder_path(), str(tmp_path))
+    rows = read_table(str(tmp_path / "dataset.parquet"), DatasetRow)
+    assert [r.pair_id for r in rows] == [p.pair_id for p in pairs]  # every pair, dropped ones included
+    by_id = {r.pair_id: r for r in rows}
+    assert by_id["c1-qa-0"].verdict == "synthesis_parse_error" and by_id["c1-qa-0"].split == "dropped"
+    assert by_id["c0-qa-7"].verdict == "insufficient_context" and by_id["c0-qa-7"].judge_raw == ""
+    assert all(r.full_answer for r in rows if r.verdict != "synthesis_parse_error")
+    assert sum(counts["verdicts"].values()) == len(rows) == counts["kept"] + counts["dropped"]
+    assert counts["answer_requests"] == 10 and counts["judge_requests"] == 9
+    kept = [r for r in rows if r.kept]
+    assert len(kept) == counts["kept"] == counts["train"] + counts["test"] and all(r.split != "dropped" for r in kept)
+    assert all(not r.kept and r.split == "dropped" for r in rows if r.verdict not in ("consistent", "low_confidence"))
+    assert counts["kept"] >= min(CFG.min_kept, counts["verdicts"].get("consistent", 0)
+                                 + counts["verdicts"].get("low_confidence", 0))
+    assert counts["challenge"] == min(1, counts["test"])
+    # the document was prefilled once for all ten answers
+    assert answer.prefixes.misses == 1 and answer.prefill_tokens < 250 + 10 * 40
+    assert not (tmp_path / "partial").exists()
+
+
+def test_resume_after_crash_with_fake_crash(tmp_path, tiny_backend):
+    pairs = make_pairs()
+    verify(DOC, pairs, CFG, tiny_backend, tiny_backend, embedder_path(), str(tmp_path / "ref"))
+    run = tmp_path / "run"
+    with pytest.raises(SimulatedKill):
+        verify(DOC, pairs, CFG, tiny_backend, CrashAfter(tiny_backend, 3), embedder_path(), str(run))
+    assert (run / "partial" / "answers").exists() and not (run / "dataset.parquet").exists()
+    answer, judge = Counting(tiny_backend), Counting(tiny_backend)
+    verify(DOC, pairs, CFG, answer, judge, embedder_path(), str(run))
+    assert answer.requests == 0 and judge.requests == 9 - 3  # nothing finished is asked again
+    assert read_table(str(run / "dataset.parquet"), DatasetRow) == read_table(
+        str(tmp_path / "ref" / "dataset.parquet"), DatasetRow)
+
+
+class FailingJudge(Counting):
+    """Failure injection: the judge returns an error result for every second request."""
+
+    def chat_many(self, requests, progress=None, on_result=None):
+        out = []
+        for i, _ in enumerate(requests):
+            r = ChatResult(text="", error="server answered 500: boom", finish_reason="error") if i % 2 else \
+                ChatResult(text='{"is_consistent": true, "confidence": 0.9, "reasoning": "ok"}')
+            on_result(i, r)
+            out.append(r)
+        return out
+
+
+def test_failed_judge_requests_fail_the_stage_and_are_retried_with_fake_failing_judge(tmp_path, tiny_backend):
+    pairs = make_pairs()
+    with pytest.raises(VerifyError, match=r"4 of 9 judge request\(s\) failed .*server answered 500"):
+        verify(DOC, pairs, CFG, tiny_backend, FailingJudge(tiny_backend), embedder_path(), str(tmp_path))
+    judge = Counting(tiny_backend)
+    verify(DOC, pairs, CFG, tiny_backend, judge, embedder_path(), str(tmp_path))
+    assert judge.requests == 4
+
+
+def test_unreachable_judge_raises_and_keeps_answers(tmp_path, tiny_backend):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dead = OpenAIBackend(f"http://127.0.0.1:{port}/v1", "judge", max_retries=0)
+    with pytest.raises(LLMUnavailableError, match=f"127.0.0.1:{port}"):
+        verify(DOC, make_pairs(), CFG, tiny_backend, dead, embedder_path(), str(tmp_path))
+    assert list((tmp_path / "partial" / "answers").glob("*.parquet"))
+
+
+def test_document_longer_than_the_answer_window_is_refused_before_any_request(tmp_path, tiny_backend):
+    counting = Counting(tiny_backend)
+    long_doc = "word " * 5000
+    with pytest.raises(ContextTooLongError, match=r"over the answer model's window of 4096 tokens"):
+        verify(long_doc, make_pairs(), CFG, counting, counting, embedder_path(), str(tmp_path))
+    assert counting.requests == 0
