@@ -29,12 +29,12 @@ POOL = "nectar-e2e"
 RUN_TIMEOUT_S = 600
 
 
-def write_document(folder: Path, name: str = "loops.txt") -> Path:
-    """A real technical text (two sections of the Python language reference)."""
+def write_document(folder: Path, name: str = "naming.txt") -> Path:
+    """A real technical text: the Python reference's "Naming and binding" (the CLI tests' pydoc:naming)."""
     from pydoc_data.topics import topics
 
     path = folder / name
-    path.write_text(topics["for"] + "\n\n" + topics["while"])
+    path.write_text(topics["naming"])
     return path
 
 
@@ -115,7 +115,7 @@ def failed_then_retried(deployed):
     """
     work, wd = deployed["work"], deployed["wd"]
     doc = write_document(work)
-    run_dir = str(wd / "runs" / "loops" / "retry")
+    run_dir = str(wd / "runs" / "naming" / "retry")
     config = work / "nectar.yaml"
     port = free_port()  # bound and released: nothing listens there
     config.write_text(yaml.safe_dump({"synthesize": {"llm": {
@@ -211,7 +211,7 @@ def test_two_workers_share_the_pool_with_file_url_run_dirs(prefect_server, deplo
     dep.deploy(pool=pool, preset="tiny", working_dir=str(tmp_path))
     doc = write_document(tmp_path)
     config = load_config("tiny")
-    run_dirs = [f"file://{tmp_path}/runs/loops/w{i}" for i in range(2)]
+    run_dirs = [f"file://{tmp_path}/runs/naming/w{i}" for i in range(2)]
     for rd in run_dirs:
         prepare_run(str(doc), config, rd)
     with running_worker(prefect_server, pool, "w-a", tmp_path, limit=1), \
