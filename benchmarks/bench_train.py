@@ -112,6 +112,12 @@ def throughput(base, kv, targets: str, work: Path, steps: int, batch_tokens: int
     return out
 
 
+def _every(k: int, name: str):
+    t0 = time.perf_counter()
+    return lambda done, total: done % k == 0 and print(
+        f"  {name}: step {done}/{total} ({time.perf_counter() - t0:.0f}s)", flush=True)
+
+
 @torch.no_grad()
 def token_accuracy(base, provider, data: TargetsData, n: int) -> float:
     correct = total = 0
@@ -137,7 +143,7 @@ def recovery(base, kv, targets: str, work: Path, args) -> dict:
         cfg = regime_config(regime, steps, args.batch_tokens, args.batch_pairs, args.rho, lr)
         cfg = cfg.model_copy(update={"eval_every": max(1, steps // 4)})
         t0 = time.perf_counter()
-        train(targets, cfg, base, kv, str(work / name))
+        train(targets, cfg, base, kv, str(work / name), progress=_every(max(1, steps // 10), name))
         dt = time.perf_counter() - t0
         module, spec = load_module(str(work / name), base)
         acc = token_accuracy(base, ModuleDocState(module), data, n)
