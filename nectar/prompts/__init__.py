@@ -76,12 +76,14 @@ EVAL_SCHEMA: dict[str, Any] = {
 }
 
 
-def synthesis_schema(count: int) -> dict[str, Any]:
+def synthesis_schema(count: int, max_chars: int = INSTRUCTION_MAX_CHARS) -> dict[str, Any]:
+    """The structured output of a synthesis request; ``max_chars`` bounds every string field so a
+    small model can't run past its token budget inside one string."""
     pair = {
         "type": "object",
         "properties": {
-            "instruction": {"type": "string", "minLength": 1, "maxLength": INSTRUCTION_MAX_CHARS},
-            "response": {"type": "string", "minLength": 1, "maxLength": RESPONSE_MAX_CHARS},
+            "instruction": {"type": "string", "minLength": 1, "maxLength": max_chars},
+            "response": {"type": "string", "minLength": 1, "maxLength": max_chars},
         },
         "required": ["instruction", "response"],
         "additionalProperties": False,
@@ -89,7 +91,7 @@ def synthesis_schema(count: int) -> dict[str, Any]:
     return {
         "type": "object",
         "properties": {
-            "scratchpad": {"type": "string", "maxLength": SCRATCHPAD_MAX_CHARS},
+            "scratchpad": {"type": "string", "maxLength": max_chars},
             "pairs": {"type": "array", "items": pair, "minItems": count, "maxItems": count},
         },
         "required": ["scratchpad", "pairs"],

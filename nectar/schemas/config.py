@@ -67,6 +67,9 @@ class SynthesizeConfig(FrozenConfig):
         default_factory=lambda: {"qa": 5, "summarization": 1, "quoting": 2, "paraphrasing": 2}
     )
     max_chunks: int | None = None  # cap for quick runs; None = every chunk
+    # Upper bound on each string of the structured output (scratchpad, instruction, response):
+    # the paper asks for < 300 words per pair; small models otherwise run past their token budget.
+    max_field_chars: int = Field(600, gt=0)
     llm: LLMConfig = LLMConfig(temperature=0.7, top_p=0.95, max_new_tokens=1024)
 
 

@@ -29,16 +29,17 @@ PRESETS: dict[str, dict[str, Any]] = {
         "synthesize": {
             "counts": {"qa": 2, "summarization": 1, "quoting": 1, "paraphrasing": 1},
             "max_chunks": 3,
-            "llm": {**_LOCAL_FAST, "max_new_tokens": 48},
+            "max_field_chars": 12,  # random weights: keep every string short so the JSON completes
+            "llm": {**_LOCAL_FAST, "max_new_tokens": 96},
         },
         "verify": {
             "answer_llm": {**_LOCAL_FAST, "max_new_tokens": 16},
-            "judge": {**_LOCAL_FAST, "max_new_tokens": 48},
+            "judge": {**_LOCAL_FAST, "max_new_tokens": 200},
             "min_kept": 6,
             "challenge_size": 2,
         },
         "targets": {"top_k": 8, "max_query_tokens": 128, "chunk_tokens": 16, "shard_tokens": 64},
-        "train": {"samples": 2000, "batch_size": 16, "eval_every": 50, "checkpoint_every": 50,
+        "train": {"samples": 800, "batch_size": 16, "eval_every": 25, "checkpoint_every": 25,
                   "module": {"rho": 0.25, "depths": [0, 2, 2]}},
         "evaluate": {"max_samples": 4, "max_new_tokens_qa": 8, "max_new_tokens_other": 8,
                      "benchmark_lengths": [64, 128], "benchmark_new_tokens": 4,

@@ -38,7 +38,7 @@ def synthesize(chunks: list[ChunkRow], cfg: SynthesizeConfig, backend: ChatBacke
     pending = [j for j in jobs if _job_name(j[0], j[1]) not in finished]
     requests = [
         make_request(cfg.llm, synthesis_prompt(task, c.text, n, cfg.llm.structured_output),
-                     json_schema=synthesis_schema(n), seed=_seed(cfg.llm.seed, c.chunk_id, task))
+                     json_schema=synthesis_schema(n, cfg.max_field_chars), seed=_seed(cfg.llm.seed, c.chunk_id, task))
         for c, task, n in pending
     ]
 
