@@ -171,6 +171,17 @@ def _print_status(run_dir: str) -> None:
     Console().print(table)
 
 
+def _mount_ops() -> None:
+    """deploy / schedule / trigger / rerun / retry talk to a Prefect server (nectar.pipeline.deploy)."""
+    from .deploy import ops_app
+
+    for command in ops_app.registered_commands:
+        app.registered_commands.append(command)
+
+
+_mount_ops()
+
+
 def main() -> None:  # pragma: no cover
     app()
 
