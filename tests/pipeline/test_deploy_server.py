@@ -188,18 +188,23 @@ def test_trigger_again_on_the_same_run_dir_is_all_cache_hits(failed_then_retried
 
 
 def test_rerun_one_stage_through_its_deployment(failed_then_retried):
+    """nectar-stage/chunk on the existing run: forced, same inputs, so downstream stays valid."""
     run_dir = failed_then_retried["run_dir"]
-    before = json.loads((Path(run_dir) / "verify" / "manifest.json").read_text())
-    run = dep.rerun_stage(run_dir, "verify")
+    before = json.loads((Path(run_dir) / "chunk" / "manifest.json").read_text())
+    verify_before = (Path(run_dir) / "verify" / "manifest.json").read_text()
+    run = dep.rerun_stage(run_dir, "chunk")
     done = dep.wait_for_run(run.id, RUN_TIMEOUT_S, poll_s=1)
     assert done.state.type.value == "COMPLETED", done.state.message
-    assert done.parameters == {"run_dir": run_dir, "stage": "verify"}
-    after = json.loads((Path(run_dir) / "verify" / "manifest.json").read_text())
-    assert after["finished_at"] >= before["finished_at"] and after["cache_key"] == before["cache_key"]
+    assert done.parameters == {"run_dir": run_dir, "stage": "chunk", "force": True}
+    after = json.loads((Path(run_dir) / "chunk" / "manifest.json").read_text())
+    assert after["started_at"] >= before["finished_at"]  # executed again, not a cache hit
+    assert (after["cache_key"], after["outputs"]) == (before["cache_key"], before["outputs"])
     doc_id = json.loads((Path(run_dir) / "run.json").read_text())["doc_id"]
     arts = server_status.artifacts([done.id])
-    assert counts_of(arts, doc_id, "verify")["status"] == "done"  # forced, not a cache hit
-    assert {s.stage: s.state for s in collect(run_dir)[0].stages}["chunk"] == "cached"
+    assert counts_of(arts, doc_id, "chunk")["status"] == "done"
+    assert {s.stage: s.state for s in collect(run_dir)[0].stages}["chunk"] == "done"
+    # Only that stage ran: downstream manifests are untouched (a --from run would redo them).
+    assert (Path(run_dir) / "verify" / "manifest.json").read_text() == verify_before
 
 
 def test_two_workers_share_the_pool_with_file_url_run_dirs(prefect_server, deployed, tmp_path):
