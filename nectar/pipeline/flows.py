@@ -19,6 +19,7 @@ from prefect.runtime import flow_run
 
 from .. import orchestrate
 from ..runs import record_failure
+from .gpu_slots import gpu_slot
 from ..schemas.config import STAGES
 from ..schemas.presets import load_config
 
@@ -75,12 +76,13 @@ def _publish(ctx: orchestrate.RunContext, stage: str, outcome) -> None:
 
 
 def _publish_failure(ctx: orchestrate.RunContext, stage: str, exc: BaseException) -> None:
-    rerun = f"nectar run {ctx.info.source_uri} --run-dir {ctx.run.root} --only {stage}"
+    rerun = f"nectar rerun {ctx.run.root} {stage}"
     try:
         create_markdown_artifact(
             key=_key(ctx.doc_id, stage, "error"),
             markdown=f"### {stage} failed\n\n```\n{type(exc).__name__}: {exc}\n```\n\nFix the cause, then re-run:\n\n"
-                     f"```\n{rerun}\n```\n(or trigger the `nectar-stage` deployment with run_dir and stage)",
+                     f"```\n{rerun}\n```\n(or `nectar run {ctx.info.source_uri} --run-dir {ctx.run.root} --only {stage}` "
+                     "without a server)",
             description=f"{ctx.doc_id} · {stage} · failed")
     except Exception:
         pass
@@ -96,7 +98,8 @@ def nectar_stage(run_dir: str, stage: str, force: bool = True) -> dict[str, Any]
     logger = get_run_logger()
     with tags("nectar", f"doc:{ctx.doc_id}", f"stage:{stage}"):
         try:
-            outcome = orchestrate.STAGE_RUNNERS[stage](ctx, force)
+            with gpu_slot(stage):  # one GPU stage at a time per GPU, across runs (needs a server)
+                outcome = orchestrate.STAGE_RUNNERS[stage](ctx, force)
         except BaseException as exc:
             record_failure(ctx.run, stage, exc)
             _publish_failure(ctx, stage, exc)
