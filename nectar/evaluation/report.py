@@ -188,20 +188,28 @@ def headline_lines(tables: dict[str, list[dict[str, Any]]]) -> list[tuple[str, s
     return out
 
 
+def _md_cell(value: Any) -> str:
+    """One table cell: pipes escaped, line breaks as <br> (a raw newline would end the table)."""
+    text = fmt(value).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    return text.replace("|", "\\|").replace("\r", "").replace("\n", "<br>")
+
+
 def _md_table(rows: list[dict[str, Any]], columns: Sequence[str] | None = None) -> str:
     if not rows:
         return "_none_\n"
     cols = list(columns or rows[0].keys())
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(fmt(r.get(c)).replace("|", "\\|") for c in cols) + " |" for r in rows]
+    lines += ["| " + " | ".join(_md_cell(r.get(c)) for c in cols) + " |" for r in rows]
     return "\n".join(lines) + "\n"
 
 
 def sample_generations(inputs: ReportInputs) -> list[GenerationRow]:
     """A few samples per split, spread over tasks (App. D-style side-by-side tables)."""
-    out = []
-    for split in sorted({g.split for g in inputs.generations}):
-        rows = [g for g in inputs.generations if g.split == split]
+    out: list[GenerationRow] = []
+    shown: set[str] = set()
+    for split in sorted({g.split for g in inputs.generations}, key=lambda s: (s != "test", s)):
+        # a challenge pair is also a test pair: show each pair once
+        rows = [g for g in inputs.generations if g.split == split and g.pair_id not in shown]
         rows.sort(key=lambda g: (g.task, g.pair_id))
         by_task: dict[str, list[GenerationRow]] = {}
         for g in rows:
@@ -212,6 +220,7 @@ def sample_generations(inputs: ReportInputs) -> list[GenerationRow]:
                 if by_task[t] and len(picked) < inputs.samples_per_split:
                     picked.append(by_task[t].pop(0))
         out += picked
+        shown |= {g.pair_id for g in picked}
     return out
 
 
@@ -265,7 +274,7 @@ body{font-family:-apple-system,Segoe UI,Helvetica,Arial,sans-serif;max-width:110
 padding:0 1em;color:#222}table{border-collapse:collapse;margin:.6em 0 1.4em;font-size:13px}
 td,th{border:1px solid #ccc;padding:3px 7px;text-align:left;vertical-align:top}th{background:#f3f3f3}
 .note{background:#fff7e0;border-left:4px solid #e0a800;padding:.4em .8em;margin:.4em 0}
-.sample td:first-child{font-weight:bold;width:13%;white-space:nowrap}img{max-width:100%}
+.sample td{white-space:pre-wrap}.sample td:first-child{font-weight:bold;width:13%;white-space:nowrap}img{max-width:100%}
 h2{border-bottom:1px solid #ddd;padding-bottom:.2em;margin-top:1.6em}.facts{color:#555}
 """
 

@@ -188,6 +188,11 @@ def evaluate(
     answers = generate_answers(base, layout, {"module": module_p, "full": full_p}, items, cfg,
                                gen_batch_size, lambda d, t: step("generate", d, t))
     generations = generation_rows(items, answers)
+    for model in ("module", "full"):
+        empty = sum(not a for a in answers[model].values())
+        if empty:
+            notes.append(f"{empty} of {len(items)} {model} answers are empty (the model ended its turn at "
+                         "once); they are judged as they are")
 
     chunk_text = {c.chunk_id: c.text for c in chunks}
     judge_items = [JudgeItem(it.pair_id, it.task, it.splits, it.instruction, it.ground_truth,
@@ -218,14 +223,17 @@ def evaluate(
     written = write_report(out_url, inputs)
     files = ["metrics.parquet", "per_layer.parquet", "generations.parquet", "judgments.parquet",
              "benchmark.parquet", *written.files]
-    return {"files": files, "tables": written.tables, "counts": _counts(sel, metrics, judgments, bench)}
+    return {"files": files, "tables": written.tables,
+            "counts": _counts(sel, metrics, judgments, bench, generations)}
 
 
-def _counts(sel: Selection, metrics, judgments, bench) -> dict[str, Any]:
+def _counts(sel: Selection, metrics, judgments, bench, generations) -> dict[str, Any]:
     counts: dict[str, Any] = {f"pairs_{s}": len(ids) for s, ids in sel.per_split.items()}
     counts["judgments"] = len(judgments)
     counts["judge_parse_errors"] = sum(j.parse_error is not None for j in judgments)
     counts["benchmark_rows"] = len(bench)
+    counts["empty_module_answers"] = sum(not g.module_output for g in generations)
+    counts["empty_full_answers"] = sum(not g.full_output for g in generations)
     for m in metrics:
         counts[f"token_acc_{m.split}_{m.model}"] = round(m.token_acc, 4)
     return counts

@@ -89,3 +89,20 @@ def test_judge_through_the_real_local_backend_on_the_tiny_model():
             assert all(r.parse_error is None and 1 <= r.score <= 5 for r in rows), [r.raw for r in rows]
         else:
             assert all(r.score is None and r.parse_error for r in rows), [r.raw for r in rows]
+
+
+@pytest.mark.slow
+def test_judge_with_the_embedded_smollm2_backend_parses_every_reply():
+    """The cpu preset's judge: the local SmolLM2 with the score schema; every reply parses."""
+    from nectar.evaluation.judge import make_chat
+    from nectar.llm import make_backend
+    from nectar.schemas import ModelConfig, load_config
+
+    cfg = load_config("cpu").evaluate.judge.model_copy(update={"max_new_tokens": 64})
+    backend = make_backend(cfg, ModelConfig(name="embedded:smollm2-135m"))
+    items = [JudgeItem("p1", "qa", ("test",), "Who bought the island?", "Ilse Brandt bought the island.",
+                       "Her captain, Ilse Brandt, later bought the island.", "Ilse Brandt.",
+                       "The island was bought by the captain, Ilse Brandt.")]
+    rows = judge(make_chat(backend, cfg), items)
+    assert [r.comparison for r in rows] == ["module_vs_truth", "base_vs_truth", "module_vs_base"]
+    assert all(r.parse_error is None and 1 <= r.score <= 5 for r in rows), [r.raw for r in rows]

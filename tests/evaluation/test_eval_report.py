@@ -14,7 +14,7 @@ def _inputs():
     per_layer = [PerLayerRow(split="test", layer=l, q_head=h, kv_head=h // 2, mse_alpha=0.1, mse_A=0.2,
                              rte_alpha=-3.0, rte_A=-1.0 - l, n_tokens=50) for l in range(3) for h in range(4)]
     gens = [GenerationRow(pair_id=f"p{i}", split="test", task=t, instruction=f"Question <{i}>?",
-                          ground_truth="truth & more", module_output="module answer", full_output="full answer")
+                          ground_truth="truth & more", module_output="module answer", full_output="full answer\nsecond | line")
             for i, t in enumerate(("qa", "qa", "quoting"))]
     judg = []
     for i, (b, m) in enumerate(((5, 4), (4, 4), (3, None))):
@@ -57,6 +57,7 @@ def test_written_report_is_self_contained(tmp_path):
     assert "Question &lt;0&gt;?" in html and "truth &amp; more" in html  # escaped, side by side
     assert "0.50 ± " in html or "0.500" in html
     md = (tmp_path / "report.md").read_text()
+    assert "full answer<br>second \\| line" in md and "Question &lt;0&gt;?" in md
     assert "## Headline" in md and "| test: token-accuracy gap (full − module) | 5.00 pts |" in md
     for rel in out.files:
         if rel.endswith(".png"):
