@@ -87,8 +87,8 @@ def judge_scores(summary: Sequence[dict], split: str) -> bytes | None:
         ax.bar(x + off, means, 0.4, yerr=errs, capsize=3, label=label, color=color)
     ax.set_xticks(x, tasks)
     ax.set_ylim(0, 5.5)
-    ax.set_ylabel("judge score vs ground truth (1-5)")
-    ax.set_title(f"judge scores per task ({split}; 95% t-intervals)")
+    ax.set_ylabel("mean score 1-5 (95% t-CI)")
+    ax.set_title(f"judge vs ground truth ({split})")
     ax.legend(fontsize=8)
     return _png(fig)
 
