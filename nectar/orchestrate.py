@@ -282,7 +282,7 @@ def run_evaluate(ctx: RunContext, force: bool = False) -> StageOutcome:
         upstream = ctx.stage_run("verify")
         dataset = read_table(upstream.url("verify", "dataset.parquet"), DatasetRow)
         chunks = read_table(ctx.stage_run("chunk").url("chunk", "chunks.parquet"), ChunkRow)
-        judge = make_chat(make_backend(ctx.config.evaluate.judge, ctx.config.model))
+        judge = make_chat(make_backend(ctx.config.evaluate.judge, ctx.config.model), ctx.config.evaluate.judge)
         result = evaluate(ctx.config.evaluate, base, layout, doc_kv, module, spec,
                           ctx.stage_run("targets").url("targets"), dataset, chunks, judge, url,
                           train_log=_train_log(ctx),
