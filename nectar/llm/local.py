@@ -4,21 +4,24 @@ shared-prefix KV cache reused across requests (DESIGN.md §7).
 How a call runs: every prompt is rendered with the model's chat template and tokenized; the
 longest token prefix shared by all prompts (in verification: template + instructions + the whole
 document) is prefilled once — or found in the LRU of earlier prefixes — and requests run in
-batches of ``batch_size`` on top of a batch expansion of that cache. Within a batch the suffixes
-are left-padded (pads sit between the prefix and the suffix, masked out, with explicit positions
-so every real token keeps the position it would have unpadded); rows that finish are removed
-from the batch so the rest decode faster.
+batches of ``batch_size`` after it. The batch never copies the prefix: each attention layer
+merges the exact attention over the one shared prefix KV with the attention over the row's own
+tokens (nectar.attention's exact document-state provider), so the cost per request does not
+grow with batch × document. Within a batch the suffixes are left-padded (masked out, with
+explicit positions so every real token keeps the position it would have unpadded); rows that
+finish are removed from the batch so the rest decode faster.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
-from transformers import DynamicCache
 
 from ..models import BaseModel
 from .grammar import SchemaGrammar
+from .kvcache import preallocated_cache
 from .parsing import find_json
 from .prefix import PrefixCacheLRU, PrefixKV, common_prefix_len, prefill
 from .sampling import next_token, row_generator
@@ -139,11 +142,30 @@ class LocalBackend:
             self._grammar = SchemaGrammar(self.tokenizer, vocab, sorted(self.stop_ids))
         return self._grammar
 
+    @contextlib.contextmanager
+    def _prefix_attention(self, prefix: PrefixKV | None) -> Iterator[None]:
+        """With a shared prefix, every attention layer merges the exact attention over the ONE
+        prefix KV (batch folded into the query axis: no per-row copy of the document) with the
+        attention over the row's own cached tokens — nectar.attention's exact provider."""
+        if prefix is None:
+            yield
+            return
+        from ..attention.interface import nectar_attention
+        from ..attention.prefix import ExactDocState
+
+        with nectar_attention(self.model, ExactDocState(prefix.doc_kv())):
+            yield
+
     @torch.inference_mode()
     def _generate(self, suffixes: list[list[int]], requests: list[ChatRequest],
                   prefix: PrefixKV | None) -> list[ChatResult]:
+        with self._prefix_attention(prefix):
+            return self._decode(suffixes, requests, prefix)
+
+    def _decode(self, suffixes: list[list[int]], requests: list[ChatRequest],
+                prefix: PrefixKV | None) -> list[ChatResult]:
         device, p = self.base.device, (prefix.length if prefix else 0)
-        cache, attn, logits = self._start_batch(suffixes, prefix)
+        cache, attn, logits = self._start_batch(suffixes, prefix, requests)
         rows = [self._new_row(req) for req in requests]
         next_pos = torch.tensor([p + len(x) for x in suffixes], device=device)  # [b]
         active = list(range(len(suffixes)))  # rows still decoding, in cache order
@@ -165,8 +187,11 @@ class LocalBackend:
         return [self._result(row, p + len(x)) for row, x in zip(rows, suffixes)]
 
     @torch.inference_mode()
-    def _start_batch(self, suffixes: list[list[int]], prefix: PrefixKV | None):
-        """Run the suffixes on top of the prefix: (cache, attention mask [b, p+s], last logits [b, V])."""
+    def _start_batch(self, suffixes: list[list[int]], prefix: PrefixKV | None, requests: list[ChatRequest]):
+        """Run the suffixes after the prefix: (cache, attention mask [b, s], last logits [b, V]).
+
+        The cache and mask hold only the rows' own tokens; the prefix is attended through
+        ``_prefix_attention`` (which must be active when a prefix is given)."""
         device, config = self.base.device, self.model.config
         b, s, p = len(suffixes), max(len(x) for x in suffixes), (prefix.length if prefix else 0)
         ids = torch.full((b, s), self.tokenizer.pad_token_id, dtype=torch.long, device=device)  # [b, s]
@@ -174,14 +199,13 @@ class LocalBackend:
         for r, x in enumerate(suffixes):
             ids[r, s - len(x):] = torch.tensor(x, device=device)
             real[r, s - len(x):] = 1
-        attn = torch.cat([torch.ones((b, p), dtype=torch.long, device=device), real], dim=1)  # [b, p+s]
         # Real tokens sit at p, p+1, … exactly as without padding; pads get any valid position.
         pos = (p + real.cumsum(dim=1) - 1).clamp(min=0)  # [b, s]
-        cache = prefix.expand(b, config) if prefix else DynamicCache(config=config)
-        out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
+        cache = preallocated_cache(config, b, s + max(r.max_new_tokens for r in requests))
+        out = self.model(input_ids=ids, attention_mask=real, position_ids=pos, past_key_values=cache,
                          use_cache=True, logits_to_keep=1)
         self.prefill_tokens += int(real.sum())
-        return cache, attn, out.logits[:, -1, :].float()
+        return cache, real, out.logits[:, -1, :].float()
 
     def _new_row(self, req: ChatRequest) -> _Row:
         gen = row_generator(req.seed, self.base.device) if req.temperature > 0 else None

@@ -3,7 +3,7 @@
 Verification asks hundreds of questions about the same document: every prompt is
 ``template + document + question``. The document part is prefilled ONCE into a KV cache, kept in a
 small LRU keyed by the prefix's token hash, and every batch of questions runs on top of a batch
-expansion of it — the document is never prefilled per request (DESIGN.md §3).
+expansion-free view of it — the document is never prefilled per request (DESIGN.md §3).
 """
 from __future__ import annotations
 
@@ -33,6 +33,12 @@ class PrefixKV:
 
     def nbytes(self) -> int:
         return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.kv)
+
+    def doc_kv(self):
+        """The prefix as nectar.attention's DocKV: per layer [h_kv, P, d] views, no copy."""
+        from ..attention.prefix import DocKV
+
+        return DocKV([k[0] for k, _ in self.kv], [v[0] for _, v in self.kv])
 
     def expand(self, batch: int, config) -> DynamicCache:
         """A fresh cache holding this prefix for ``batch`` rows ([b, h_kv, P, d] per layer)."""

@@ -8,12 +8,13 @@ from nectar.schemas.config import ModelConfig
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _threads(request):
-    """One thread for the tiny model (its ops are too small to split, and spin-waiting OpenMP
-    threads on a shared 2-core machine make them ~10x slower); two for the embedded model.
-    Restored afterwards: other test packages rely on the session's setting."""
+def _threads():
+    """One thread: the tiny model's ops are too small to split, and when several test processes
+    share the 2 cores, spin-waiting OpenMP threads (torch's default OMP_WAIT_POLICY) make even the
+    embedded model 10-20x slower than one thread. Restored afterwards: other test packages rely on
+    the session's setting."""
     before = torch.get_num_threads()
-    torch.set_num_threads(2 if request.node.get_closest_marker("slow") else 1)
+    torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
 

@@ -29,11 +29,13 @@ def test_first_logits_with_prefix_reuse_match_full_forward(tiny):
     """The batch path (shared prefix cache + left-padded suffixes) gives the logits of a plain forward."""
     for reuse in (True, False):
         be = LocalBackend(tiny, batch_size=8, reuse_prefix=reuse)
-        prompts = [be.encode(r) for r in requests(max_new_tokens=4)]
+        reqs = requests(max_new_tokens=4)
+        prompts = [be.encode(r) for r in reqs]
         prefix = be._shared_prefix(prompts)
         assert (prefix is not None) == reuse and (not reuse or prefix.length > 150)
         p = prefix.length if prefix else 0
-        _, _, logits = be._start_batch([x[p:] for x in prompts], prefix)  # [b, V]
+        with be._prefix_attention(prefix):
+            _, _, logits = be._start_batch([x[p:] for x in prompts], prefix, reqs)  # [b, V]
         with torch.inference_mode():
             for row, ids in zip(logits, prompts):
                 full = tiny.model(torch.tensor([ids])).logits[0, -1]

@@ -38,6 +38,14 @@ def tiny_backend():
     torch.set_num_threads(before)
 
 
+@pytest.fixture
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # see tiny_backend; also true for the embedded model on shared cores
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def chunks():
     return chunk_document(TEXT, ChunkConfig(words=120, overlap=20))
@@ -179,3 +187,21 @@ def test_sigkill_during_synthesize_then_rerun_completes(tmp_path, tiny_backend, 
     rows = read_table(str(out / "pairs.parquet"), PairRow)
     assert {(r.chunk_id, r.task) for r in rows} == {(c, t) for c in (0, 1) for t in ("qa", "summarization",
                                                                                      "paraphrasing")}
+
+
+@pytest.mark.slow
+def test_synthesize_embedded_model_produces_real_pairs(tmp_path, one_thread):
+    """SmolLM2-135M with xgrammar-constrained output on a real manual section: pairs that parse."""
+    from nectar.documents import load_document
+
+    text, _ = load_document("pydoc:naming")
+    chunks = chunk_document(text, ChunkConfig(words=150, overlap=20))[:1]
+    cfg = SynthesizeConfig(counts={"qa": 1, "summarization": 0, "quoting": 0, "paraphrasing": 1},
+                           llm=LLMConfig(max_new_tokens=200, temperature=0.7, top_p=0.95, batch_size=2))
+    backend = LocalBackend(load_base_model(ModelConfig()), batch_size=2)
+    counts = synthesize(chunks, cfg, backend, str(tmp_path))
+    rows = read_table(str(tmp_path / "pairs.parquet"), PairRow)
+    good = [r for r in rows if r.parse_error is None]
+    assert counts["pairs"] == len(good) >= 1, [r.raw_output for r in rows]
+    assert all(len(r.instruction) > 5 and r.response for r in good)
+    assert all(r.raw_output.lstrip().startswith('{"scratchpad":') for r in rows)  # scratchpad first

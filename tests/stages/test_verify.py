@@ -198,3 +198,34 @@ def test_document_longer_than_the_answer_window_is_refused_before_any_request(tm
     with pytest.raises(ContextTooLongError, match=r"over the answer model's window of 4096 tokens"):
         verify(long_doc, make_pairs(), CFG, counting, counting, embedder_path(), str(tmp_path))
     assert counting.requests == 0
+
+
+@pytest.mark.slow
+def test_verify_embedded_model_on_a_real_document(tmp_path):
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # shared cores: see tiny_backend
+    try:
+        _verify_embedded(tmp_path)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _verify_embedded(tmp_path):
+    """SmolLM2-135M answers with the whole pydoc:naming section (one prefix prefill) and judges."""
+    from nectar.documents import load_document
+
+    doc, _ = load_document("pydoc:naming")
+    pairs = make_pairs()[:3]
+    llm = dict(backend="local", batch_size=3, temperature=0.0)
+    cfg = VerifyConfig(answer_llm=LLMConfig(**llm, max_new_tokens=16), judge=LLMConfig(**llm, max_new_tokens=90),
+                       min_kept=2, challenge_size=1)
+    base = load_base_model(ModelConfig())
+    answer, judge = LocalBackend(base, batch_size=3), LocalBackend(base, batch_size=3)
+    counts = verify(doc, pairs, cfg, answer, judge, embedder_path(), str(tmp_path))
+    rows = read_table(str(tmp_path / "dataset.parquet"), DatasetRow)
+    assert len(rows) == 3 and answer.prefixes.misses == 1  # the document was prefilled once
+    assert all(r.full_answer.strip() for r in rows)
+    judged = [r for r in rows if r.verdict not in ("insufficient_context",)]
+    assert all(r.judge_raw.startswith('{"is_consistent":') for r in judged)  # constrained judge output
+    assert counts["verdicts"].get("judge_parse_error", 0) == 0
+    assert counts["kept"] >= min(2, sum(r.verdict in ("consistent", "low_confidence") for r in rows))
