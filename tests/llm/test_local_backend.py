@@ -11,6 +11,7 @@ import xgrammar as xgr
 
 from nectar.llm import ChatRequest, make_backend
 from nectar.llm.local import LocalBackend
+from nectar.models import load_base_model
 from nectar.prompts import CONSISTENCY_SCHEMA
 from nectar.schemas.config import LLMConfig, ModelConfig
 
@@ -25,8 +26,10 @@ def requests(**kw) -> list[ChatRequest]:
     return [ChatRequest(messages=({"role": "user", "content": DOC + "\nQuestion: " + q},), **kw) for q in QUESTIONS]
 
 
-def test_first_logits_with_prefix_reuse_match_full_forward(tiny):
+@pytest.mark.parametrize("name", ["tiny:llama", "tiny:qwen3"])
+def test_first_logits_with_prefix_reuse_match_full_forward(name):
     """The batch path (shared prefix cache + left-padded suffixes) gives the logits of a plain forward."""
+    tiny = load_base_model(ModelConfig(name=name))
     for reuse in (True, False):
         be = LocalBackend(tiny, batch_size=8, reuse_prefix=reuse)
         reqs = requests(max_new_tokens=4)
