@@ -62,16 +62,31 @@ def nectar_attention_forward(
     m, k_len = query.shape[2], key.shape[2]
     if attention_mask is not None and attention_mask.dtype != torch.bool:
         attention_mask = attention_mask > -1  # additive float mask → visibility
-    local = attention_state(
-        query, key, value, scaling,
-        causal_offset=(k_len - m) if attention_mask is None else None,
-        key_mask=attention_mask,
-    )
+    local = _local_state(query, key, value, attention_mask, scaling)
     doc = active.provider(module.layer_idx, query, scaling) if active.provider is not None else None
     if active.recorder is not None:
         active.recorder(module.layer_idx, query, doc)
     merged = merge_states(doc, local)
     return merged.out.to(query.dtype).transpose(1, 2).contiguous(), None  # [b, m, hq, d]
+
+
+def _local_state(query, key, value, attention_mask, scaling) -> AttnState:
+    """The exact causal state over the tokens this forward sees (GQA via repeated KV heads)."""
+    m, k_len = query.shape[2], key.shape[2]
+    if attention_mask is None and m == k_len and m > 1:
+        # Plain causal attention over a fresh block (teacher forcing, capture, prefill of a prompt):
+        # torch's fused kernel returns the lse too.
+        from .prefix import _fused_state
+        from .state import expand_kv
+
+        try:
+            hq = query.shape[1]
+            return _fused_state(query, expand_kv(key, hq), expand_kv(value, hq), scaling, causal=True)
+        except RuntimeError:
+            pass  # kernel unavailable for this dtype/device: exact math below
+    return attention_state(query, key, value, scaling,
+                           causal_offset=(k_len - m) if attention_mask is None else None,
+                           key_mask=attention_mask)
 
 
 AttentionInterface.register(IMPL_NAME, nectar_attention_forward)

@@ -111,12 +111,13 @@ class ExactDocState:
         self.doc_kv = doc_kv
         self.chunk_size = chunk_size
         device = doc_kv.keys[0].device
-        # flash: the flash-attn package; fused: torch's own flash kernel (CUDA, returns the lse too);
-        # torch: exact chunked float32 math (CPU, and the reference the others are tested against).
+        # flash: the flash-attn package (CUDA); fused: torch's own flash kernel, which returns the lse
+        # too (CUDA and CPU); torch: exact chunked float32 math, the reference the others are tested
+        # against.
         if backend == "auto":
-            backend = "flash" if flash_available(device) else "fused" if device.type == "cuda" else "torch"
-        if backend in ("flash", "fused") and device.type != "cuda":
-            raise ValueError(f"attention backend {backend!r} needs CUDA; use 'torch' on {device.type}")
+            backend = "flash" if flash_available(device) else "fused"
+        if backend == "flash" and device.type != "cuda":
+            raise ValueError(f"attention backend 'flash' needs CUDA; use 'fused' or 'torch' on {device.type}")
         self.backend = backend
 
     def __call__(self, layer: int, q: torch.Tensor, scaling: float) -> AttnState:
@@ -151,9 +152,15 @@ class ExactDocState:
         return AttnState(out, lse)
 
 
-def _fused_state(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> AttnState:
-    """torch's fused flash kernel on CUDA; q [1, h, M, d], k/v [1, h, n, d] (same head count)."""
-    dtype = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
-        q.to(dtype), k.to(dtype), v.to(dtype), 0.0, False, False, scale=scaling)[:2]
-    return AttnState(out.float(), lse.float())  # [1, h, M, d], [1, h, M]
+def _fused_state(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
+                 causal: bool = False) -> AttnState:
+    """torch's fused flash kernel, which also returns the lse; q [b, h, M, d], k/v [b, h, n, d]
+    (same head count). ``causal`` is top-left aligned, so only for M == n (no cached keys)."""
+    if q.device.type == "cuda":
+        dtype = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+            q.to(dtype), k.to(dtype), v.to(dtype), 0.0, causal, False, scale=scaling)[:2]
+    else:  # the CPU flash kernel agrees with the exact math to ~1e-6 in float32
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k.to(q.dtype), v.to(q.dtype), 0.0, causal, scale=scaling)
+    return AttnState(out.float(), lse.float())  # [b, h, M, d], [b, h, M]

@@ -38,10 +38,12 @@ class PlannedPair:
 def plan_pairs(rows: list[DatasetRow], layout: PromptLayout, cfg: TargetsConfig) -> list[PlannedPair]:
     """Tokenize kept pairs of the configured splits, train first; truncate to max_query_tokens."""
     kept = [r for r in rows if r.kept and r.split in cfg.splits]
-    kept.sort(key=lambda r: (r.split != "train", r.pair_id))
+    tokens = {r.pair_id: layout.pair(r.instruction, r.response) for r in kept}
+    # Train first; within a split by length, so padded batches hold pairs of similar length.
+    kept.sort(key=lambda r: (r.split != "train", len(tokens[r.pair_id].ids), r.pair_id))
     planned, start = [], 0
     for i, r in enumerate(kept):
-        q = layout.pair(r.instruction, r.response)
+        q = tokens[r.pair_id]
         ids = q.ids[: cfg.max_query_tokens]
         planned.append(PlannedPair(TargetsPairRow(
             index=i, pair_id=r.pair_id, task=r.task, split=r.split, challenge=r.challenge, start=start,

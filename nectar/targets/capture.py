@@ -53,8 +53,9 @@ def capture_batch(
     rec = _Recorder(base.num_layers)
     positions = (n + torch.arange(m, device=input_ids.device)).unsqueeze(0).expand(b, m)
     with nectar_attention(base.model, provider, recorder=rec):
-        logits = base.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
-                            use_cache=False).logits  # [b, m, V]
+        # Right padding needs no mask under causal attention (pads only follow real tokens), and
+        # without one the local part takes the fused causal kernel.
+        logits = base.model(input_ids=input_ids, position_ids=positions, use_cache=False).logits  # [b, m, V]
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     top = logprobs.topk(top_k, dim=-1)
     return CapturedBatch(

@@ -77,3 +77,25 @@ def test_context_manager_restores_attention_implementation_on_error(tiny_llama):
         with nectar_attention(tiny_llama.model, None):
             1 / 0
     assert tiny_llama.model.config._attn_implementation == before
+
+
+def test_fused_document_state_agrees_with_exact_torch_math(tiny_llama, document):
+    layout = build_layout(tiny_llama.tokenizer, document)
+    kv = prefill_document(tiny_llama, layout.context_ids)
+    q = torch.randn(3, tiny_llama.num_q_heads, 7, tiny_llama.head_dim)
+    for layer in range(tiny_llama.num_layers):
+        fused = ExactDocState(kv, backend="fused")(layer, q, tiny_llama.scaling)
+        exact = ExactDocState(kv, backend="torch")(layer, q, tiny_llama.scaling)
+        assert torch.allclose(fused.out, exact.out, atol=1e-5) and torch.allclose(fused.lse, exact.lse, atol=1e-5)
+
+
+def test_fused_local_causal_state_agrees_with_exact_math():
+    from nectar.attention.interface import _local_state
+    from nectar.attention.state import attention_state
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 4, 9, 16, generator=g), torch.randn(2, 2, 9, 16, generator=g),
+               torch.randn(2, 2, 9, 16, generator=g))
+    fast = _local_state(q, k, v, None, 0.25)
+    exact = attention_state(q, k, v, 0.25, causal_offset=0)
+    assert torch.allclose(fast.out, exact.out, atol=1e-5) and torch.allclose(fast.lse, exact.lse, atol=1e-5)
