@@ -71,6 +71,7 @@ def test_summary_per_task_and_overall_matches_scipy():
     assert list(s) == ["qa", "summarization", "all"]
 
 
+@pytest.mark.slow
 def test_judge_through_the_real_local_backend_on_the_tiny_model():
     """A real chat backend (in-process, tiny random model): with the score schema enforced every
     reply parses to 1..5; unconstrained, the random model's replies are recorded as parse errors."""

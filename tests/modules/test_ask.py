@@ -18,6 +18,7 @@ def _full_quadrature(base, kv):
     return build_module(plan, kv.keys, kv.values), plan
 
 
+@pytest.mark.slow
 def test_streamed_greedy_answer_matches_generate_and_the_full_context_model(tiny_qwen3, document):
     base = tiny_qwen3
     layout = build_layout(base.tokenizer, document)
@@ -37,6 +38,7 @@ def test_streamed_greedy_answer_matches_generate_and_the_full_context_model(tiny
     assert got.token_ids == hf.tolist()
 
 
+@pytest.mark.slow
 def test_sampling_is_seeded(tiny_qwen3, document):
     layout = build_layout(tiny_qwen3.tokenizer, document)
     module = build_module(plan_module("mlp", 2, 2, 16, layout.n, tiny_qwen3.scaling, 0.5, depths=(0, 2, 2)))

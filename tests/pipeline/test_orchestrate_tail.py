@@ -69,6 +69,7 @@ def test_stage_before_its_inputs_is_refused(tmp_path, document):
         orchestrate.run_targets(ctx)
 
 
+@pytest.mark.slow
 def test_sweep_variants_share_the_parent_data_stages(tiny_ctx):
     from nectar import sweep
 

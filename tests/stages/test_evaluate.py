@@ -59,6 +59,7 @@ def garbage_then_valid_judge(prompts):
             for i in range(len(prompts))]
 
 
+@pytest.mark.slow
 def test_evaluate_writes_every_table_and_the_report_with_fake_partly_garbage_judge(tiny_llama, trained, tmp_path):
     root, layout, kv, dataset, module, spec = trained
     from nectar.tables import read_table as rt

@@ -34,6 +34,7 @@ def _params(out):
     return load_file(str(out / "module.safetensors"))
 
 
+@pytest.mark.slow
 def test_regression_lowers_heldout_target_error(tiny_llama, tiny_targets, tmp_path):
     targets, _, kv, _ = tiny_targets
     counts = train(targets, _cfg(), tiny_llama, kv, str(tmp_path))
@@ -61,6 +62,7 @@ def test_distillation_regimes_train_on_pairs_through_the_base_model(regime, tiny
     assert train_rows[-1].grad_norm > 0
 
 
+@pytest.mark.slow
 def test_resume_after_a_stop_reaches_the_same_params_and_log(tiny_llama, tiny_targets, tmp_path):
     targets, _, kv, _ = tiny_targets
     cfg = _cfg(samples=192, eval_every=4, checkpoint_every=4)
