@@ -42,14 +42,17 @@ EVAL_RUBRICS: dict[str, str] = {
 
 # Appended to the generation prompts when the reply is schema-constrained: the paper's plain form
 # "<scratchpad>…</scratchpad> [ … ]" becomes one JSON object whose scratchpad still comes first.
+# (Described in words, without placeholder values: a small model copies "..." literally.)
 STRUCTURED_NOTE = (
-    '\n\nOutput format: a single JSON object {"scratchpad": "<your bullet points>", "pairs": '
-    '[{"instruction": "...", "response": "..."}]} with exactly {count} pairs.'
+    '\n\nOutput format: a single JSON object with two keys: "scratchpad", a string with your bullet '
+    'points, then "pairs", a list of exactly {count} objects, each with an "instruction" string and a '
+    '"response" string.'
 )
 
 # Length caps keep a small model inside its token budget (a truncated reply doesn't parse). Few
 # distinct values on purpose: xgrammar compiles each new string-length bound in ~1-5 s.
-SCRATCHPAD_MAX_CHARS = 600
+SCRATCHPAD_MAX_CHARS = 300
+INSTRUCTION_MIN_CHARS = 12  # rules out "...", "template" and other copied placeholders
 INSTRUCTION_MAX_CHARS = 600
 RESPONSE_MAX_CHARS = 600
 REASONING_MAX_CHARS = 240
