@@ -35,6 +35,9 @@ def _quiet_prefect() -> None:
     # Ephemeral mode is fine for a one-off run; keep Prefect's own logs at warning level.
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # The ephemeral API server starts in a subprocess; on a busy 2-core machine it can take longer
+    # than Prefect's default 20 s.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 
 
 @app.command()
