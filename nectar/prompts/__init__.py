@@ -51,10 +51,8 @@ STRUCTURED_NOTE = (
 
 # Length caps keep a small model inside its token budget (a truncated reply doesn't parse). Few
 # distinct values on purpose: xgrammar compiles each new string-length bound in ~1-5 s.
-SCRATCHPAD_MAX_CHARS = 300
 INSTRUCTION_MIN_CHARS = 12  # rules out "...", "template" and other copied placeholders
 INSTRUCTION_MAX_CHARS = 600
-RESPONSE_MAX_CHARS = 600
 REASONING_MAX_CHARS = 240
 
 CONSISTENCY_SCHEMA: dict[str, Any] = {
@@ -85,7 +83,8 @@ def synthesis_schema(count: int, max_chars: int = INSTRUCTION_MAX_CHARS) -> dict
     pair = {
         "type": "object",
         "properties": {
-            "instruction": {"type": "string", "minLength": 1, "maxLength": max_chars},
+            "instruction": {"type": "string", "minLength": min(INSTRUCTION_MIN_CHARS, max_chars),
+                            "maxLength": max_chars},
             "response": {"type": "string", "minLength": 1, "maxLength": max_chars},
         },
         "required": ["instruction", "response"],
