@@ -1,5 +1,10 @@
-import pytest
-import torch
+import os
+
+# On a shared 2-core machine torch's default spin-waiting threads slow everything down ~10x.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 torch.set_num_threads(2)
 
@@ -16,7 +21,7 @@ def tiny_llama():
     from nectar.models import load_base_model
     from nectar.schemas import ModelConfig
 
-    return load_base_model(ModelConfig(name="tiny:llama"))
+    return load_base_model(ModelConfig(name="tiny:llama", device="cpu"))
 
 
 @pytest.fixture(scope="session")
@@ -24,7 +29,7 @@ def tiny_qwen3():
     from nectar.models import load_base_model
     from nectar.schemas import ModelConfig
 
-    return load_base_model(ModelConfig(name="tiny:qwen3"))
+    return load_base_model(ModelConfig(name="tiny:qwen3", device="cpu"))
 
 
 @pytest.fixture(scope="session")
@@ -32,7 +37,7 @@ def smollm2():
     from nectar.models import load_base_model
     from nectar.schemas import ModelConfig
 
-    return load_base_model(ModelConfig(name="embedded:smollm2-135m"))
+    return load_base_model(ModelConfig(name="embedded:smollm2-135m", device="cpu"))
 
 
 @pytest.fixture

@@ -44,7 +44,9 @@ def prefill_document(base: BaseModel, context_ids, chunk_tokens: int = 2048) -> 
     ids = torch.as_tensor(list(context_ids), dtype=torch.long, device=base.device).unsqueeze(0)  # [1, n]
     cache = DynamicCache(config=base.model.config)
     for start in range(0, ids.shape[1], chunk_tokens):
-        base.model(input_ids=ids[:, start:start + chunk_tokens], past_key_values=cache, use_cache=True)
+        # logits_to_keep=1: the LM head over every document token would be thrown away.
+        base.model(input_ids=ids[:, start:start + chunk_tokens], past_key_values=cache, use_cache=True,
+                   logits_to_keep=1)
     keys = [layer.keys[0].contiguous() for layer in cache.layers]  # [hkv, n, d]
     values = [layer.values[0].contiguous() for layer in cache.layers]
     return DocKV(keys, values)

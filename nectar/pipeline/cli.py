@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import os
 import sys
+
+# Threads that spin-wait for work cost ~10x when other processes share the cores; set before torch.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from typing import Optional
 
 import typer
