@@ -56,9 +56,12 @@ def capture_batch(
         # Right padding needs no mask under causal attention (pads only follow real tokens), and
         # without one the local part takes the fused causal kernel.
         logits = base.model(input_ids=input_ids, position_ids=positions, use_cache=False).logits  # [b, m, V]
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    top = logprobs.topk(top_k, dim=-1)
+    # top-K of the logits minus their log-sum-exp = top-K of the log-softmax, without writing a
+    # second [b, m, V] tensor.
+    top = logits.topk(top_k, dim=-1)
+    lse = torch.logsumexp(logits.float(), dim=-1, keepdim=True)  # [b, m, 1]
     return CapturedBatch(
         q=torch.stack(rec.q, dim=2), alpha=torch.stack(rec.alpha, dim=2), A=torch.stack(rec.A, dim=2),
-        topk_ids=top.indices.int(), topk_logprobs=top.values, logits=logits if keep_logits else None,
+        topk_ids=top.indices.int(), topk_logprobs=top.values.float() - lse,
+        logits=logits if keep_logits else None,
     )
