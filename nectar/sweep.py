@@ -66,6 +66,22 @@ def expand_variants(base: PipelineConfig, grid: dict[str, list[str]]) -> list[Va
     return variants
 
 
+def with_base(config: PipelineConfig, variants: list[Variant]) -> list[Variant]:
+    """The grid's variants, led by the parent's own config (``base``) unless the grid holds it:
+    every comparison table then has the run's configuration as its reference row."""
+    if any(v.config == config for v in variants):
+        return variants
+    return [Variant("base", {}, config), *variants]
+
+
+def variant_context(parent: RunContext, variant: Variant) -> RunContext:
+    """The parent run itself for a variant whose config is the parent's (its train/evaluate stages
+    are then cached from ``nectar run``), otherwise a child run directory."""
+    if variant.config == parent.config:
+        return parent
+    return prepare_variant(parent, variant)
+
+
 def prepare_variant(parent: RunContext, variant: Variant) -> RunContext:
     """A child run directory whose data stages resolve to the parent's."""
     run = RunDir(parent.run.url("sweep", variant.name))

@@ -158,7 +158,7 @@ def nectar_sweep(
     from .. import sweep
 
     config = load_config(preset, config_file, regime, overrides or [])
-    variants = sweep.expand_variants(config, sweep.parse_grid(grid))
+    variants = sweep.with_base(config, sweep.expand_variants(config, sweep.parse_grid(grid)))
     ctx = orchestrate.prepare_run(document, config, run_dir)
     rows = []
     with tags("nectar", f"doc:{ctx.doc_id}", "sweep"):
@@ -166,7 +166,7 @@ def nectar_sweep(
             nectar_stage.with_options(flow_run_name=f"{ctx.doc_id}-{stage}")(
                 run_dir=ctx.run.root, stage=stage, force=force)
         for variant in variants:
-            vctx = sweep.prepare_variant(ctx, variant)
+            vctx = sweep.variant_context(ctx, variant)
             for stage in ("train", "evaluate"):
                 nectar_stage.with_options(flow_run_name=f"{ctx.doc_id}-{variant.name}-{stage}")(
                     run_dir=vctx.run.root, stage=stage, force=force)

@@ -60,7 +60,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         },
         "targets": {"top_k": 32, "max_query_tokens": 384, "dtype": "float32",
                     "chunk_tokens": 64, "shard_tokens": 1024},
-        "train": {"samples": 60_000, "batch_size": 64, "eval_every": 100, "checkpoint_every": 100,
+        "train": {"samples": 40_000, "batch_size": 64, "eval_every": 100, "checkpoint_every": 100,
                   "module": {"rho": 0.05}},
         # The paper generates 196 tokens for non-QA tasks; on two CPU cores that dominates the
         # whole DAG, so the demo caps generations at 96 and judges 6 samples per split.

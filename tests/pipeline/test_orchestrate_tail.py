@@ -84,3 +84,8 @@ def test_sweep_variants_share_the_parent_data_stages(tiny_ctx):
     assert row["arch"] == "quadrature" and row["module_bytes"] > 0
     with pytest.raises(Exception, match="only"):
         sweep.expand_variants(tiny_ctx.config, sweep.parse_grid(["chunk.words=10,20"]))
+    # The variant equal to the parent's config trains in the parent run (cached after `nectar run`).
+    assert sweep.variant_context(tiny_ctx, variants[0]).run.root == tiny_ctx.run.root
+    assert sweep.variant_context(tiny_ctx, variants[1]).run.root != tiny_ctx.run.root
+    assert [v.name for v in sweep.with_base(tiny_ctx.config, variants)] == [v.name for v in variants]
+    assert [v.name for v in sweep.with_base(tiny_ctx.config, variants[1:])] == ["base", variants[1].name]
