@@ -10,10 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
-
-from .attention.interface import nectar_attention
-from .attention.run import _stop_ids, sample_next
+from .attention.run import generate
 from .layout import PromptLayout
 from .models import BaseModel
 from .modules.builder import NectarModule
@@ -50,38 +47,13 @@ class _Detokenizer:
         return self.tokenizer.decode(self.tokens, skip_special_tokens=True)
 
 
-@torch.no_grad()
 def stream_tokens(base: BaseModel, provider, n: int, prompt: list[int], max_new_tokens: int,
                   temperature: float, top_p: float, seed: int, on_token: Callable[[int], None],
                   stop_ids: tuple[int, ...] | None = None) -> list[int]:
-    """Single-prompt sampling loop with a local KV cache, calling ``on_token`` as tokens arrive.
-
-    The same steps as ``nectar.attention.run.generate`` (prefill of the prompt at positions
-    n…, then one token at a time), which has no per-token hook.
-    """
-    from transformers import DynamicCache
-
-    device = base.device
-    stop = set(stop_ids if stop_ids is not None else _stop_ids(base))
-    gen = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
-    cache = DynamicCache(config=base.model.config)
-    ids = torch.tensor([prompt], dtype=torch.long, device=device)  # [1, m]
-    pos = n + torch.arange(len(prompt), device=device).unsqueeze(0)  # [1, m]
-    out: list[int] = []
-    with nectar_attention(base.model, provider):
-        logits = base.model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True).logits[:, -1]
-        for step in range(max_new_tokens):
-            tok = int(sample_next(logits, temperature, top_p, gen)[0])
-            if tok in stop:
-                break
-            out.append(tok)
-            on_token(tok)
-            if step == max_new_tokens - 1:
-                break
-            nxt = torch.tensor([[tok]], device=device)
-            p = torch.tensor([[n + len(prompt) + step]], device=device)
-            logits = base.model(input_ids=nxt, position_ids=p, past_key_values=cache, use_cache=True).logits[:, -1]
-    return out
+    """Sample one answer (prompt at positions n, n+1, …), calling ``on_token`` as tokens arrive."""
+    result = generate(base, provider, n, [prompt], max_new_tokens, temperature, top_p, seed, stop_ids,
+                      on_token=lambda _row, tok: on_token(tok))
+    return result.tokens[0]
 
 
 def answer(base: BaseModel, module: NectarModule, layout: PromptLayout, n_context: int, question: str,

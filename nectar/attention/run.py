@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -68,8 +69,11 @@ def generate(
     top_p: float = 1.0,
     seed: int = 0,
     stop_ids: tuple[int, ...] | None = None,
+    on_token: Callable[[int, int], None] | None = None,
 ) -> GenerationResult:
-    """Batched sampling over query tokens with a local KV cache only (left-padded prompts)."""
+    """Batched sampling over query tokens with a local KV cache only (left-padded prompts).
+
+    ``on_token(row, token)`` is called for every kept token as it is sampled (streaming)."""
     from transformers import DynamicCache
 
     device = base.device
@@ -103,6 +107,8 @@ def generate(
                         done[i] = True
                     else:
                         out_tokens[i].append(tok)
+                        if on_token is not None:
+                            on_token(i, tok)
             if bool(done.all()) or step == max_new_tokens - 1:
                 break
             mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=device)], dim=1)
