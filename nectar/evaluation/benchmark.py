@@ -26,7 +26,7 @@ from ..modules.budget import BudgetError
 from ..modules.builder import ModulePlan, build_module, plan_module
 from ..modules.provider import ModuleDocState
 from .memory import track_peak_memory
-from .rows import BenchmarkRow
+from ..schemas.artifacts import BenchmarkRow
 
 BENCH_PROMPT = "Summarize the document in two sentences."
 

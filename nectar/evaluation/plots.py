@@ -14,7 +14,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from ..schemas.artifacts import TrainLogRow  # noqa: E402
-from .rows import BenchmarkRow, PerLayerRow  # noqa: E402
+from ..schemas.artifacts import BenchmarkRow, PerLayerRow  # noqa: E402
 
 SYSTEM_STYLE = {"module": ("NECTAR module", "tab:green"), "full_cached": ("full KV (prefix-cached)", "tab:blue"),
                 "full_cold": ("full KV (cold prefill)", "tab:red")}

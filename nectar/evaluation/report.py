@@ -18,7 +18,7 @@ from . import plots
 from .benchmark import ratios
 from .judge import judge_summary
 from .metrics import accuracy_gap, recovered_fraction
-from .rows import BenchmarkRow, PerLayerRow
+from ..schemas.artifacts import BenchmarkRow, PerLayerRow
 
 
 @dataclass

@@ -26,7 +26,7 @@ from ..evaluation.benchmark import BENCH_PROMPT, run_benchmark, same_architectur
 from ..evaluation.generations import GenItem, generate_answers, generation_rows
 from ..evaluation.judge import ChatFn, JudgeItem, judge
 from ..evaluation.report import ReportInputs, write_report
-from ..evaluation.rows import BenchmarkRow, PerLayerRow
+from ..schemas.artifacts import BenchmarkRow, PerLayerRow
 from ..evaluation.teacher import EvalPair, head_errors, teacher_forced_sums
 from ..layout import PromptLayout
 from ..models import BaseModel

@@ -4,7 +4,7 @@ import re
 import pytest
 
 from nectar.evaluation.report import ReportInputs, report_tables, write_report
-from nectar.evaluation.rows import BenchmarkRow, PerLayerRow
+from nectar.schemas.artifacts import BenchmarkRow, PerLayerRow
 from nectar.schemas import GenerationRow, JudgmentRow, MetricsRow, TrainLogRow
 
 

@@ -3,7 +3,7 @@ the report, with a module that genuinely differs from the full-context model."""
 import pytest
 
 from nectar.attention.prefix import prefill_document
-from nectar.evaluation.rows import BenchmarkRow, PerLayerRow
+from nectar.schemas.artifacts import BenchmarkRow, PerLayerRow
 from nectar.layout import build_layout
 from nectar.modules import load_module
 from nectar.schemas import (ChunkRow, DatasetRow, EvaluateConfig, GenerationRow, JudgmentRow, MetricsRow,
