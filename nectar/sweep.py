@@ -112,13 +112,23 @@ def comparison_row(variant: Variant, run: RunDir) -> dict[str, Any]:
     if manifest:
         row.update({k: manifest.counts.get(k) for k in ("module_bytes", "kv_cache_bytes", "heldout_loss_A",
                                                         "heldout_rte_A", "heldout_loss_kl")})
-    for h in read_eval_tables(run).get("headline", []):
+    headline = read_eval_tables(run).get("headline", [])
+    for h in headline:
         prefix = "" if h.get("split") == "test" else f"{h.get('split')}_"
-        for key in ("token_acc_module", "token_acc_full", "token_acc_none", "token_acc_gap",
-                    "recovered_fraction", "delta_s", "delta_s_ci"):
+        for key in SPLIT_KEYS:
             if key in h:
                 row[prefix + key] = h[key]
+    for key in RUN_KEYS:  # the same in every split's headline row
+        if headline and key in headline[0]:
+            row[key] = headline[0][key]
     return row
+
+
+SPLIT_KEYS = ("token_acc_module", "token_acc_full", "token_acc_none", "token_acc_gap", "recovered_fraction",
+              "delta_s", "delta_s_ci")
+# Module vs full KV cache at the benchmark's largest document length (bench_n).
+RUN_KEYS = ("module_bytes", "kv_bytes", "bench_n", "ttft_ms_module", "ttft_ms_full_cached", "ttft_ms_full_cold",
+            "tok_s_module", "tok_s_full_cached", "tok_s_full_cold")
 
 
 def comparison_markdown(rows: list[dict[str, Any]]) -> str:

@@ -97,9 +97,9 @@ def recovered_fraction(acc_module: float, acc_full: float, acc_none: float,
                        min_benefit: float = 1e-9) -> float | None:
     """Share of the document's accuracy benefit the module recovers:
     (acc_module - acc_none) / (acc_full - acc_none). None when the document brings no benefit
-    (the ratio is undefined, and reporting a huge number would mislead)."""
+    (full <= none: the ratio is undefined or flips sign, and a number would mislead)."""
     benefit = acc_full - acc_none
-    if not math.isfinite(benefit) or abs(benefit) < min_benefit:
+    if not math.isfinite(benefit) or benefit < min_benefit:
         return None
     return (acc_module - acc_none) / benefit
 

@@ -163,7 +163,7 @@ def headline_lines(tables: dict[str, list[dict[str, Any]]]) -> list[tuple[str, s
         if "token_acc_gap" in h:
             out.append((f"{s}: token-accuracy gap (full − module)", f"{100 * h['token_acc_gap']:.2f} pts"))
             rf = h.get("recovered_fraction")
-            out.append((f"{s}: document benefit recovered", "undefined (no benefit)" if rf is None
+            out.append((f"{s}: document benefit recovered", "undefined (full ≤ none: the document brings no benefit)" if rf is None
                         else f"{100 * rf:.1f} %"))
             out.append((f"{s}: token accuracy module / full / none",
                         f"{100 * h['token_acc_module']:.1f} / {100 * h['token_acc_full']:.1f} / "

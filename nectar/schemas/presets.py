@@ -47,9 +47,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     "cpu": {
         "model": {"name": "embedded:smollm2-135m"},
-        "chunk": {"words": 300, "overlap": 50},
+        "chunk": {"words": 250, "overlap": 50},
         "synthesize": {
             "counts": {"qa": 5, "summarization": 1, "quoting": 2, "paraphrasing": 2},
+            # SmolLM2 sometimes loops inside one string; 300 characters per field keeps five pairs
+            # within 512 tokens (at 600 a third of the requests ran out of tokens).
+            "max_field_chars": 300,
             "llm": {**_LOCAL_FAST, "max_new_tokens": 512},
         },
         "verify": {
@@ -60,7 +63,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         },
         "targets": {"top_k": 32, "max_query_tokens": 384, "dtype": "float32",
                     "chunk_tokens": 64, "shard_tokens": 1024},
-        "train": {"samples": 40_000, "batch_size": 64, "eval_every": 100, "checkpoint_every": 100,
+        "train": {"samples": 60_000, "batch_size": 64, "eval_every": 100, "checkpoint_every": 100,
                   "module": {"rho": 0.05}},
         # The paper generates 196 tokens for non-QA tasks; on two CPU cores that dominates the
         # whole DAG, so the demo caps generations at 96 and judges 6 samples per split.

@@ -274,13 +274,17 @@ def split_rows(rows: list[DatasetRow], test_fraction: float, seed: int) -> list[
 
 def mark_challenge(rows: list[DatasetRow], challenge_size: int, embedder_path: str) -> list[DatasetRow]:
     """For each test instruction its max cosine similarity to any training instruction; the
-    ``challenge_size`` least similar test rows are the challenge split (they stay test rows)."""
+    ``challenge_size`` least similar test rows (at most half the test split) are the challenge
+    split (they stay test rows)."""
     train = [r.instruction for r in rows if r.split == "train"]
     test_idx = [i for i, r in enumerate(rows) if r.split == "test"]
     if not train or not test_idx:
         return rows
     sims = max_similarity([rows[i].instruction for i in test_idx], train, embedder_path)
-    ranked = sorted(range(len(test_idx)), key=lambda k: sims[k])[:max(0, challenge_size)]
+    # At most half of the test split, so the challenge split stays a harder subset rather than
+    # a copy of the whole (small) test split.
+    size = min(max(0, challenge_size), max(1, len(test_idx) // 2))
+    ranked = sorted(range(len(test_idx)), key=lambda k: sims[k])[:size]
     challenge = {test_idx[k] for k in ranked}
     out = list(rows)
     for k, i in enumerate(test_idx):

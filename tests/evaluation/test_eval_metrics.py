@@ -55,6 +55,7 @@ def test_gap_and_recovered_fraction():
     assert accuracy_gap(0.8, 0.7) == pytest.approx(0.1)
     assert recovered_fraction(0.7, 0.8, 0.4) == pytest.approx(0.75)
     assert recovered_fraction(0.5, 0.4, 0.4) is None  # the document brings no benefit
+    assert recovered_fraction(0.95, 0.92, 0.93) is None  # the document hurts: no share to recover
 
 
 def test_layer_head_errors_match_hand_computed_rte():

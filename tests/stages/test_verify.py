@@ -119,6 +119,8 @@ def test_challenge_is_the_least_similar_test_instructions_with_real_minilm():
     sims = {r.pair_id: r.max_train_similarity for r in out if r.split == "test"}
     assert sims["s1"] < 0.3 < sims["s0"] and sims["s2"] > 0.5
     assert all(r.max_train_similarity is None for r in out if r.split == "train")
+    # Asked for more than the test split holds: at most half of it, the least similar first.
+    assert [r.pair_id for r in mark_challenge(rows, 10, embedder_path()) if r.challenge] == ["s1"]
 
 
 # ----- the stage on the tiny model -----
