@@ -1,3 +1,3 @@
 """NECTAR: per-document neural modules that replace attention over a long document's KV cache."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -7,7 +7,9 @@ split there, so the context/query boundary is identical for every pair and every
     query   = instruction + template + response         m tokens, positions n … n+m-1
 
 The two parts are tokenized separately and concatenated; every stage (verification, targets,
-training, evaluation) goes through this module, so the token sequence is the same everywhere.
+training, evaluation) goes through this module, so the token sequence is the same everywhere. The
+split point is moved within the whitespace that ends the context until the two parts tokenize
+exactly as the whole chat would (``_clean_split``), so the query tokens are the model's own.
 """
 from __future__ import annotations
 
@@ -73,8 +75,38 @@ def build_layout(tokenizer, document: str) -> PromptLayout:
     prompt_suffix = gen.split(_INSTR, 1)[1]
     # Templates end turns with e.g. "<|im_end|>\n"; the model should learn to stop at the marker.
     response_suffix = response_suffix.rstrip("\n")
+    k = _clean_split(tokenizer, context_text, before_instruction, prompt_suffix)
+    if k:
+        context_text, before_instruction = context_text[:-k], context_text[-k:] + before_instruction
     ids = tuple(tokenizer(context_text, add_special_tokens=False)["input_ids"])
     return PromptLayout(ids, before_instruction, prompt_suffix, response_suffix, tokenizer)
+
+
+# Typical first words of instructions, to find where the context can end without changing how the
+# tokenizer would have split the whole chat.
+_PROBES = ("What", "Summarize", "Quote", "How many", '"The', "1.")
+
+
+def _clean_split(tokenizer, context_text: str, before_instruction: str, prompt_suffix: str) -> int:
+    """How many trailing whitespace characters of the context to hand to the query so that
+    tokenizing the two parts apart gives the same ids as tokenizing the chat in one piece.
+
+    Pre-tokenizers differ at the boundary: SmolLM2's (GPT-2 style) splits "\n\nWhat" into
+    "\n", "\n", "What", so a context ending in "\n\n" would end in a "\n\n" token the model never
+    sees before a word; Qwen2's keeps ">\n\n" together, so there the split after "\n\n" is the
+    clean one. Only the boundary matters, so a short tail of the context is enough to test.
+    """
+    def enc(text: str) -> list[int]:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    tail = context_text[-64:]
+    trailing = len(tail) - len(tail.rstrip())
+    for k in range(trailing + 1):
+        head, moved = (tail[:-k], tail[-k:]) if k else (tail, "")
+        if all(enc(head) + enc(moved + before_instruction + p + prompt_suffix)
+               == enc(head + moved + before_instruction + p + prompt_suffix) for p in _PROBES):
+            return k
+    return 0
 
 
 def check_fits(layout: PromptLayout, max_query_tokens: int, window: int) -> None:

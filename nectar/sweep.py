@@ -15,7 +15,7 @@ from .runs import RunDir, now, slug
 from .schemas.artifacts import RunManifest
 from .schemas.base import stable_hash
 from .schemas.config import PipelineConfig
-from .schemas.presets import REGIMES, ConfigError, deep_merge, parse_override
+from .schemas.presets import ConfigError, deep_merge, parse_override, regime_overlay
 from .tables import write_json_artifact
 
 # Short grid names for the paper's axes; any dotted config key works too.
@@ -49,11 +49,10 @@ def expand_variants(base: PipelineConfig, grid: dict[str, list[str]]) -> list[Va
     for values in itertools.product(*(grid[k] for k in keys)):
         data = base.model_dump(mode="json")
         settings = dict(zip(keys, values))
-        for key, value in settings.items():
+        # A regime first, so explicit axes (e.g. train.samples) override what it brings.
+        for key, value in sorted(settings.items(), key=lambda kv: kv[0] != "regime"):
             if key == "regime":
-                if value not in REGIMES:
-                    raise ConfigError(f"unknown regime {value!r}; choose one of {sorted(REGIMES)}")
-                data = deep_merge(data, REGIMES[value])
+                data = deep_merge(data, regime_overlay(base.preset, value))
                 continue
             dotted = ALIASES.get(key, key)
             if dotted.split(".")[0] not in VARIANT_SECTIONS:

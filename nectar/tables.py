@@ -50,7 +50,15 @@ def arrow_schema(cls: type[Artifact]) -> pa.Schema:
 
 
 def _json_fields(cls: type[Artifact]) -> set[str]:
-    return {n for n, f in cls.model_fields.items() if get_origin(f.annotation) in (dict, list)}
+    """Fields stored as JSON text: dicts and lists, optional or not (as ``_arrow_type`` maps them)."""
+    return {n for n, f in cls.model_fields.items() if _is_container(f.annotation)}
+
+
+def _is_container(annotation: Any) -> bool:
+    origin = get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(_is_container(a) for a in get_args(annotation) if a is not type(None))
+    return origin in (dict, list) or annotation in (dict, list)
 
 
 def write_table(url: str, rows: Iterable[Artifact], cls: type[R]) -> int:
@@ -65,7 +73,7 @@ def write_table(url: str, rows: Iterable[Artifact], cls: type[R]) -> int:
                 raise ArtifactError(_describe(url, i, exc)) from None
         rec = row.model_dump(mode="json")
         for name in jf:
-            rec[name] = json.dumps(rec[name])
+            rec[name] = None if rec[name] is None else json.dumps(rec[name])
         records.append(rec)
     table = pa.Table.from_pylist(records, schema=arrow_schema(cls))
     fs, path = fsspec.core.url_to_fs(url)

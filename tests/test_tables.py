@@ -248,10 +248,6 @@ class _OptionalList(Artifact):
     values: list[int] | None = None
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "_arrow_type unwraps Optional and maps lists/dicts to JSON text, but _json_fields only recognises a bare "
-    "list/dict annotation, so a `list[int] | None` field is handed to pyarrow as a list for a string column "
-    "(ArrowTypeError: Expected bytes, got a 'list' object)"))
 def test_optional_list_fields_round_trip(tmp_path):
     url = str(tmp_path / "opt.parquet")
     rows = [_OptionalList(name="a", values=[1, 2]), _OptionalList(name="b")]

@@ -18,6 +18,11 @@ class FrozenConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
 
+    def __hash__(self) -> int:
+        # pydantic's frozen hash hashes field values and fails on dict fields (synthesize.counts);
+        # the canonical JSON of every field is consistent with ``==``.
+        return hash(json.dumps(self.model_dump(mode="json"), sort_keys=True))
+
     def cache_dict(self) -> dict[str, Any]:
         """The config as plain data minus resource-only fields (device, batch sizes, concurrency)."""
         out: dict[str, Any] = {}

@@ -119,9 +119,6 @@ def test_leaf_configs_are_hashable_and_equal_by_value():
     assert a != ModelConfig(name="tiny:qwen3", device="cpu")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "FrozenConfig's docstring promises configs are hashable, but SynthesizeConfig.counts is a dict, "
-    "so hash(SynthesizeConfig()) and hash(PipelineConfig) raise TypeError: unhashable type: 'dict'"))
 def test_pipeline_config_is_hashable_as_documented():
     cfg = load_config("tiny")
     assert hash(cfg) == hash(load_config("tiny"))
@@ -201,9 +198,6 @@ def test_override_replacing_a_section_by_a_scalar_is_a_config_error():
         load_config("tiny", overrides=["train=5"])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a --set value that is not valid YAML escapes load_config as yaml.ParserError instead of "
-    "ConfigError, so the CLI (which only catches ConfigError) prints a traceback"))
 def test_override_with_unparseable_yaml_value_is_a_config_error():
     with pytest.raises(ConfigError, match="layer_multipliers"):
         load_config("tiny", overrides=["train.module.layer_multipliers=[1, 2"])
@@ -270,9 +264,6 @@ def test_unknown_key_in_config_file_names_file_and_key(tmp_path):
     assert "train.sampels: unknown key" in msg
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a --config file that is not valid YAML escapes load_config as a yaml.YAMLError instead of "
-    "ConfigError naming the file, so the CLI prints a traceback"))
 def test_config_file_with_invalid_yaml_is_a_config_error(tmp_path):
     path = tmp_path / "broken.yaml"
     path.write_text("train:\n  samples: [1,\n")
