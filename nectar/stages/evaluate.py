@@ -214,6 +214,11 @@ def evaluate(
     notes.insert(0, f"judge: {cfg.judge.backend} backend, model {judge_desc} "
                     "(the paper used GPT-5.2; a small local judge gives noisy scores and parse failures, "
                     "which are counted, never imputed)")
+    constant = constant_judge_score(judgments)
+    if constant is not None:
+        notes.insert(1, f"WARNING: the judge gave every one of its {sum(j.score is not None for j in judgments)} "
+                        f"parsed replies the same score ({constant}), so Δs says nothing about the module here; "
+                        "point evaluate.judge at a stronger model (backend openai, base_url, model)")
     inputs = ReportInputs(
         title=title, metrics=metrics, per_layer=per_layer, generations=generations, judgments=judgments,
         benchmark=bench, train_log=list(train_log), module_bytes=module_spec.module_bytes,
@@ -225,6 +230,14 @@ def evaluate(
              "benchmark.parquet", *written.files]
     return {"files": files, "tables": written.tables,
             "counts": _counts(sel, metrics, judgments, bench, generations)}
+
+
+def constant_judge_score(judgments: list[JudgmentRow], min_scores: int = 4) -> int | None:
+    """The one score a degenerate judge gives every reply (e.g. a small model copying the prompt's
+    example), or None when the scores vary or are too few to tell."""
+    scores = {j.score for j in judgments if j.score is not None}
+    parsed = sum(j.score is not None for j in judgments)
+    return next(iter(scores)) if parsed >= min_scores and len(scores) == 1 else None
 
 
 def _counts(sel: Selection, metrics, judgments, bench, generations) -> dict[str, Any]:

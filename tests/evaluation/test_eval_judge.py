@@ -107,3 +107,15 @@ def test_judge_with_the_embedded_smollm2_backend_parses_every_reply():
     rows = judge(make_chat(backend, cfg), items)
     assert [r.comparison for r in rows] == ["module_vs_truth", "base_vs_truth", "module_vs_base"]
     assert all(r.parse_error is None and 1 <= r.score <= 5 for r in rows), [r.raw for r in rows]
+
+
+def test_a_judge_that_gives_every_reply_one_score_is_flagged():
+    from nectar.stages.evaluate import constant_judge_score
+
+    same = [r for i in range(2) for r in _rows("test", "qa", f"p{i}", 1, 1, 1)]
+    assert constant_judge_score(same) == 1
+    varied = same[:-1] + _rows("test", "qa", "p9", 1, 1, 5)
+    assert constant_judge_score(varied) is None
+    assert constant_judge_score(same[:3]) is None  # too few to tell
+    unparsed = same + _rows("test", "qa", "p8", None, None, None)
+    assert constant_judge_score(unparsed) == 1  # parse failures don't count as a score
