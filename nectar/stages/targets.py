@@ -76,7 +76,8 @@ def build_targets(
     first = int(np.searchsorted(offsets[1:], written, side="right"))  # first pair not fully written
     provider = ExactDocState(doc_kv, backend=backend)
     done = first
-    with _ShardWriter(g, header.n_tokens, cfg.shard_tokens, written, offsets[first]) as writer:
+    shard = g["token_ids"].shards[0]  # the array's own shard (shard_tokens rounded to whole chunks)
+    with _ShardWriter(g, header.n_tokens, shard, written, offsets[first]) as writer:
         for batch in batch_plan(planned[first:], cfg.batch_size, cfg.max_padding):
             writer.add(_capture(base, provider, batch, layout.n, cfg.top_k))
             done += len(batch)
