@@ -8,8 +8,8 @@ allocator's peak) belongs to that run alone:
               teacher top-K, written to sharded Zarr).
 * ``compute`` the same prefill and the same batches through the stage's own batch step, results
               copied to host memory, nothing written.
-* ``naive``   one ordinary forward over document + pair for every pair (sdpa, batch 1, logits of the
-              pair only). It records and writes nothing: a *lower bound* on the naive method's cost.
+* ``naive``   one ordinary forward over document + pair for every pair (sdpa, batch 1, logits only
+              where the stage computes the teacher's top-K). It records and writes nothing: a *lower bound* on the naive method's cost.
 
 ``compute`` vs ``naive`` is the like-for-like speed-up (neither writes); ``stage`` vs ``naive`` is
 the conservative end-to-end one. Prints query tokens/s (with the one-time prefill, and per further
@@ -250,8 +250,11 @@ def time_naive(args, base, layout, rows, planned, cfg, doc_sha) -> dict:
     with torch.no_grad():
         for p in planned:
             ids = torch.as_tensor([list(layout.context_ids) + p.ids], device=base.device)  # [1, n + m]
-            # Only the pair's logits are needed: the cheapest full forward there is.
-            base.model(input_ids=ids, use_cache=False, logits_to_keep=len(p.ids))
+            # Logits only where the stage computes the teacher's top-K (the next token is a response
+            # token): the cheapest full forward there is.
+            keep = torch.arange(layout.n + max(p.row.response_start - 1, 0), layout.n + len(p.ids) - 1,
+                                device=base.device)
+            base.model(input_ids=ids, use_cache=False, logits_to_keep=keep)
     sync(base.device)
     t1 = time.perf_counter()
     return dict(prefill_s=0.0, capture_s=t1 - t0, total_s=t1 - t0, cpu_prefill_s=0.0)

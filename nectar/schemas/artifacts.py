@@ -115,7 +115,9 @@ class TargetsHeader(Artifact):
 
     Arrays (token-major, T = total query tokens over all pairs; P = pairs):
       q [T, L, Hq, d], alpha [T, L, Hq], A [T, L, Hq, d]    (dtype = ``dtype``)
-      topk_ids [T, K] int32, topk_logprobs [T, K] float32  (teacher's next-token top-K at t)
+      topk_ids [T, K] int32, topk_logprobs [T, K] float32  (teacher's next-token top-K at t; with
+        topk_scope "kl_positions" only where token t+1 is a response token — the positions the
+        KL loss reads — and zeros elsewhere)
       token_ids [T] int32, positions [T] int32 (n … n+m-1), response_mask [T] bool
       pair_offsets [P+1] int64, pair_split [P] int8 (0 = train, 1 = test)
     Pair p's tokens are rows pair_offsets[p]:pair_offsets[p+1]; targets/pairs.parquet lists them.
@@ -136,6 +138,7 @@ class TargetsHeader(Artifact):
     n_pairs: int
     n_tokens: int
     split_pairs: dict[str, int]
+    topk_scope: Literal["all", "kl_positions"] = "all"
     complete: bool = False
 
 

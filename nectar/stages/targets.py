@@ -124,7 +124,7 @@ def _header(base, layout, cfg, planned, doc_sha256) -> TargetsHeader:
     return TargetsHeader(
         model=base.name, model_hash=base.weights_hash, doc_sha256=doc_sha256, n_context=layout.n,
         num_layers=base.num_layers, num_q_heads=base.num_q_heads, num_kv_heads=base.num_kv_heads,
-        head_dim=base.head_dim, scaling=base.scaling, top_k=cfg.top_k, dtype=cfg.dtype,
+        head_dim=base.head_dim, scaling=base.scaling, top_k=cfg.top_k, topk_scope="kl_positions", dtype=cfg.dtype,
         n_pairs=len(planned), n_tokens=sum(p.row.length for p in planned), split_pairs=splits)
 
 
@@ -144,10 +144,13 @@ def _capture(base, provider, batch: list[PlannedPair], n: int, top_k: int) -> di
     m = max(len(p.ids) for p in batch)
     ids = torch.zeros((len(batch), m), dtype=torch.long, device=base.device)
     mask = torch.zeros_like(ids)
+    kl_positions = torch.zeros((len(batch), m), dtype=torch.bool, device=base.device)
     for i, p in enumerate(batch):
         ids[i, : len(p.ids)] = torch.as_tensor(p.ids)
         mask[i, : len(p.ids)] = 1
-    cap = capture_batch(base, provider, ids, mask, n, top_k)
+        # the teacher's top-K at t is read only where t+1 is a response token (the KL loss)
+        kl_positions[i, max(p.row.response_start - 1, 0): len(p.ids) - 1] = True
+    cap = capture_batch(base, provider, ids, mask, n, top_k, logit_mask=kl_positions)
     parts: dict[str, list[np.ndarray]] = {k: [] for k in
                                           ("q", "alpha", "A", "topk_ids", "topk_logprobs", "token_ids",
                                            "positions", "response_mask")}

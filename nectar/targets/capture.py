@@ -48,20 +48,38 @@ def capture_batch(
     n: int,
     top_k: int,
     keep_logits: bool = False,
+    logit_mask: torch.Tensor | None = None,  # [b, m] bool: positions that need the teacher's top-K
 ) -> CapturedBatch:
+    """``logit_mask`` = None computes the top-K at every position; otherwise the LM head runs only
+    on the masked positions (the KL loss reads the top-K only where the next token is a response
+    token, and the head is ~15% of the capture's FLOPs) and the other rows of the top-K are zeros."""
     b, m = input_ids.shape
     rec = _Recorder(base.num_layers)
     positions = (n + torch.arange(m, device=input_ids.device)).unsqueeze(0).expand(b, m)
     with nectar_attention(base.model, provider, recorder=rec):
         # Right padding needs no mask under causal attention (pads only follow real tokens), and
         # without one the local part takes the fused causal kernel.
-        logits = base.model(input_ids=input_ids, position_ids=positions, use_cache=False).logits  # [b, m, V]
-    # top-K of the logits minus their log-sum-exp = top-K of the log-softmax, without writing a
-    # second [b, m, V] tensor.
-    top = logits.topk(top_k, dim=-1)
-    lse = torch.logsumexp(logits.float(), dim=-1, keepdim=True)  # [b, m, 1]
+        if logit_mask is None:
+            logits = base.model(input_ids=input_ids, position_ids=positions, use_cache=False).logits  # [b, m, V]
+            top_ids, top_lp = _topk_logprobs(logits, top_k)
+        else:
+            hidden = base.model.get_decoder()(input_ids=input_ids, position_ids=positions,
+                                              use_cache=False).last_hidden_state  # [b, m, H]
+            logits = base.model.get_output_embeddings()(hidden[logit_mask])  # [N, V]
+            ids, lp = _topk_logprobs(logits, top_k)  # [N, K]
+            top_ids = torch.zeros((b, m, top_k), dtype=ids.dtype, device=ids.device)
+            top_lp = torch.zeros((b, m, top_k), dtype=lp.dtype, device=lp.device)
+            top_ids[logit_mask], top_lp[logit_mask] = ids, lp
     return CapturedBatch(
         q=torch.stack(rec.q, dim=2), alpha=torch.stack(rec.alpha, dim=2), A=torch.stack(rec.A, dim=2),
-        topk_ids=top.indices.int(), topk_logprobs=top.values.float() - lse,
+        topk_ids=top_ids.int(), topk_logprobs=top_lp,
         logits=logits if keep_logits else None,
     )
+
+
+def _topk_logprobs(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-K ids and log-probs over the last axis: top-K of the logits minus their log-sum-exp,
+    without writing a second vocabulary-sized tensor."""
+    top = logits.topk(top_k, dim=-1)
+    lse = torch.logsumexp(logits.float(), dim=-1, keepdim=True)
+    return top.indices, top.values.float() - lse

@@ -77,7 +77,14 @@ def test_targets_match_independent_computation_and_validate(tiny_llama, document
     with torch.no_grad():
         ref = torch.log_softmax(tiny_llama.model(torch.tensor([list(layout.context_ids) + ids])).logits[0, layout.n:], -1)
     top = g["topk_logprobs"][p.start:p.start + p.length]
-    assert np.allclose(top, ref.topk(4, -1).values.numpy(), atol=1e-4)
+    # stored where the KL loss reads them (the next token is a response token), zeros elsewhere
+    assert header.topk_scope == "kl_positions"
+    kl = np.zeros(p.length, dtype=bool)
+    kl[max(p.response_start - 1, 0): p.length - 1] = True
+    assert kl.any() and not kl.all()
+    assert np.allclose(top[kl], ref.topk(4, -1).values.numpy()[kl], atol=1e-4)
+    assert (top[~kl] == 0).all()
+    assert (g["topk_ids"][p.start:p.start + p.length][kl] == ref.topk(4, -1).indices.numpy()[kl]).mean() > 0.9
     mask = g["response_mask"][p.start:p.start + p.length]
     assert not mask[: p.response_start].any() and mask[p.response_start:].all()
 
