@@ -121,7 +121,7 @@ def regime_overlay(preset: str, regime: str) -> dict[str, Any]:
     return copy.deepcopy(deep_merge(REGIMES[regime], PRESET_REGIMES.get(preset, {}).get(regime, {})))
 
 
-def _first_line(exc: Exception) -> str:
+def _one_line(exc: Exception) -> str:
     return " ".join(str(exc).split())
 
 
@@ -143,7 +143,7 @@ def parse_override(text: str) -> dict[str, Any]:
     try:
         value: Any = yaml.safe_load(raw)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"override {text!r}: the value is not valid YAML ({_first_line(exc)})") from None
+        raise ConfigError(f"override {text!r}: the value is not valid YAML ({_one_line(exc)})") from None
     for key in reversed(path.strip().split(".")):
         value = {key: value}
     return value
@@ -168,7 +168,7 @@ def load_config(
         try:
             loaded = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {path} is not valid YAML: {_first_line(exc)}") from None
+            raise ConfigError(f"config file {path} is not valid YAML: {_one_line(exc)}") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {path} must hold a mapping, got {type(loaded).__name__}")
         data = deep_merge(data, loaded)
