@@ -32,10 +32,12 @@ def merge_states(a: AttnState | None, b: AttnState | None) -> AttnState:
     if b is None:
         return a
     lse = torch.logaddexp(a.lse, b.lse)  # [b, h, m]
-    # A side with lse = -inf (no visible keys) gets weight 0; guard the -inf - -inf = nan case.
-    wa = torch.exp(a.lse - lse).nan_to_num(0.0).unsqueeze(-1)  # [b, h, m, 1]
-    wb = torch.exp(b.lse - lse).nan_to_num(0.0).unsqueeze(-1)
-    return AttnState(wa * a.out + wb * b.out, lse)
+    # a's weight exp(a.lse - lse) = sigmoid(a.lse - b.lse), b's is one minus it: one lerp, half the
+    # element-wise kernels of two exp-weighted sums (this runs at every layer of every forward). A
+    # side with lse = -inf (no visible keys) gets weight 0; both empty gives nan, mapped to 0.
+    dtype = torch.promote_types(a.out.dtype, b.out.dtype)
+    wa = torch.sigmoid(a.lse - b.lse).nan_to_num(0.0).unsqueeze(-1).to(dtype)  # [b, h, m, 1]
+    return AttnState(torch.lerp(b.out.to(dtype), a.out.to(dtype), wa), lse)
 
 
 def expand_kv(x: torch.Tensor, n_q_heads: int) -> torch.Tensor:

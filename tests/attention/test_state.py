@@ -35,6 +35,23 @@ def test_merge_with_empty_state_is_identity_and_never_nan():
     m = merge_states(a, empty)
     assert torch.equal(m.out, a.out) and torch.equal(m.lse, a.lse)
     assert merge_states(None, a) is a
+    m = merge_states(empty, a)  # the empty side first
+    assert torch.equal(m.out, a.out) and torch.equal(m.lse, a.lse)
+    both = merge_states(empty, empty)
+    assert not both.out.isnan().any() and (both.lse == -math.inf).all()
+
+
+def test_merge_promotes_mixed_dtypes_and_passes_gradients():
+    g = torch.Generator().manual_seed(2)
+    out_a = torch.randn(1, 2, 3, 4, generator=g, requires_grad=True)
+    lse_a = torch.randn(1, 2, 3, generator=g, requires_grad=True)
+    b = AttnState(torch.randn(1, 2, 3, 4, generator=g).bfloat16(), torch.randn(1, 2, 3, generator=g))
+    m = merge_states(AttnState(out_a, lse_a), b)
+    assert m.out.dtype == torch.float32
+    w = torch.exp(lse_a - m.lse).unsqueeze(-1)  # the defining formula
+    assert torch.allclose(m.out, w * out_a + (1 - w) * b.out.float(), atol=1e-6)
+    m.out.sum().backward()
+    assert out_a.grad is not None and lse_a.grad is not None and lse_a.grad.abs().sum() > 0
 
 
 def test_causal_offset_hides_future_keys():
