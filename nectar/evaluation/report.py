@@ -270,8 +270,9 @@ def render_markdown(inputs: ReportInputs, tables: dict[str, list[dict[str, Any]]
 
 
 _CSS = """
-table{display:block;overflow-x:auto;max-width:100%}body{font-family:-apple-system,Segoe UI,Helvetica,Arial,sans-serif;max-width:1100px;margin:2em auto;
-padding:0 1em;color:#222}table{border-collapse:collapse;margin:.6em 0 1.4em;font-size:13px}
+body{font-family:-apple-system,Segoe UI,Helvetica,Arial,sans-serif;max-width:1100px;margin:2em auto;
+padding:0 1em;color:#222}table{border-collapse:collapse;margin:.6em 0 1.4em;font-size:13px;display:block;
+overflow-x:auto;max-width:100%}
 td,th{border:1px solid #ccc;padding:3px 7px;text-align:left;vertical-align:top}th{background:#f3f3f3}
 .note{background:#fff7e0;border-left:4px solid #e0a800;padding:.4em .8em;margin:.4em 0}
 .sample td{white-space:pre-wrap}.sample td:first-child{font-weight:bold;width:13%;white-space:nowrap}img{max-width:100%}

@@ -77,13 +77,13 @@ def build_targets(
     provider = ExactDocState(doc_kv, backend=backend)
     done = first
     shard = g["token_ids"].shards[0]  # the array's own shard (shard_tokens rounded to whole chunks)
-    with _ShardWriter(g, header.n_tokens, shard, written, offsets[first]) as writer:
+    with _ShardWriter(g, shard, written, offsets[first]) as writer:
         for batch in batch_plan(planned[first:], cfg.batch_size, cfg.max_padding):
             writer.add(_capture(base, provider, batch, layout.n, cfg.top_k))
             done += len(batch)
             if progress:
                 progress(done, len(planned))
-        writer.flush(final=True)
+        writer.flush()
     g["pair_offsets"][:] = offsets
     g["pair_split"][:] = np.array([0 if p.row.split == "train" else 1 for p in planned], dtype=np.int8)
     g.attrs["nectar_targets"] = header.model_copy(update={"complete": True}).model_dump(mode="json")
@@ -176,8 +176,8 @@ class _ShardWriter:
     fresh page faults for every shard). Use as a context manager: leaving it waits for the writes.
     """
 
-    def __init__(self, g, total: int, shard: int, written: int, buffer_start: int):
-        self.g, self.total, self.shard = g, total, shard
+    def __init__(self, g, shard: int, written: int, buffer_start: int):
+        self.g, self.shard = g, shard
         self.written = written  # tokens [0, written) are on disk or queued; a multiple of shard until the end
         self.pos = int(buffer_start)  # token index of the next row add() receives
         self.sets: list[dict[str, np.ndarray]] = [{}, {}]
@@ -209,7 +209,7 @@ class _ShardWriter:
                 self._submit(self.shard)
         self.pos += k
 
-    def flush(self, final: bool = True) -> None:
+    def flush(self) -> None:
         if self.pos > self.written:
             self._submit(self.pos - self.written)
 
