@@ -126,8 +126,8 @@ def test_same_key_is_a_cache_hit_and_the_body_is_not_called_again(run):
 
 def test_resource_only_config_change_is_still_a_cache_hit(run):
     body = Body(run, "targets")
-    run_stage(run, "targets", TargetsConfig(batch_size=1, max_padding=0.0), INPUTS, body)
-    again = run_stage(run, "targets", TargetsConfig(batch_size=64, max_padding=3.0), INPUTS, body)
+    run_stage(run, "targets", TargetsConfig(batch_size=1, batch_tokens=64), INPUTS, body)
+    again = run_stage(run, "targets", TargetsConfig(batch_size=64, batch_tokens=8192), INPUTS, body)
     assert again.status == "cached" and body.calls == 1
 
 

@@ -20,7 +20,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .state import AttnState, attention_state, merge_states
+from .state import AttnState, attention_state, expand_kv, merge_states
 
 IMPL_NAME = "nectar"
 
@@ -36,9 +36,11 @@ Recorder = Callable[[int, torch.Tensor, AttnState | None], None]
 class _Active:
     """Per-model state of an active context (looked up by the attention module's config)."""
 
-    def __init__(self, provider: DocStateProvider | None, recorder: Recorder | None):
+    def __init__(self, provider: DocStateProvider | None, recorder: Recorder | None,
+                 segments: tuple[tuple[int, int], ...] | None):
         self.provider = provider
         self.recorder = recorder
+        self.segments = segments
 
 
 _ACTIVE: dict[int, _Active] = {}
@@ -62,7 +64,10 @@ def nectar_attention_forward(
     m, k_len = query.shape[2], key.shape[2]
     if attention_mask is not None and attention_mask.dtype != torch.bool:
         attention_mask = attention_mask > -1  # additive float mask → visibility
-    local = _local_state(query, key, value, attention_mask, scaling)
+    if active.segments is not None:
+        local = _packed_local_state(query, key, value, active.segments, scaling)
+    else:
+        local = _local_state(query, key, value, attention_mask, scaling)
     doc = active.provider(module.layer_idx, query, scaling) if active.provider is not None else None
     if active.recorder is not None:
         active.recorder(module.layer_idx, query, doc)
@@ -77,7 +82,6 @@ def _local_state(query, key, value, attention_mask, scaling) -> AttnState:
         # Plain causal attention over a fresh block (teacher forcing, capture, prefill of a prompt):
         # torch's fused kernel returns the lse too.
         from .prefix import _fused_state
-        from .state import expand_kv
 
         try:
             hq = query.shape[1]
@@ -87,6 +91,25 @@ def _local_state(query, key, value, attention_mask, scaling) -> AttnState:
     return attention_state(query, key, value, scaling,
                            causal_offset=(k_len - m) if attention_mask is None else None,
                            key_mask=attention_mask)
+
+
+def _packed_local_state(query, key, value, segments, scaling) -> AttnState:
+    """Several sequences packed along one row (no padding): each attends causally to itself only.
+
+    query [1, hq, T, d], key/value [1, hkv, T, d]; ``segments`` are the (start, stop) token ranges
+    that tile [0, T). One fused causal call per segment, so the cost is the sum of the segments'
+    own triangles, not a T x T mask.
+    """
+    b, hq, t, _ = query.shape
+    if b != 1 or key.shape[2] != t or segments[0][0] != 0 or segments[-1][1] != t:
+        raise ValueError(f"packed attention needs one row of T={t} fresh tokens tiled by the segments "
+                         f"(got batch {b}, {key.shape[2]} keys, segments {segments[0]}…{segments[-1]})")
+    key, value = expand_kv(key, hq), expand_kv(value, hq)  # [1, hq, T, d]
+    parts = [_local_state(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None, scaling)
+             for s, e in segments]
+    if len(parts) == 1:
+        return parts[0]
+    return AttnState(torch.cat([p.out for p in parts], dim=2), torch.cat([p.lse for p in parts], dim=2))
 
 
 AttentionInterface.register(IMPL_NAME, nectar_attention_forward)
@@ -99,8 +122,13 @@ def nectar_attention(
     model: torch.nn.Module,
     provider: DocStateProvider | None,
     recorder: Recorder | None = None,
+    segments: list[tuple[int, int]] | None = None,
 ) -> Iterator[None]:
-    """Install the NECTAR attention on ``model`` for the duration of the block (removed in finally)."""
+    """Install the NECTAR attention on ``model`` for the duration of the block (removed in finally).
+
+    ``segments``: the forwards inside the block take one packed row of several query sequences, the
+    (start, stop) ranges given here, each attending only to itself locally (see ``_packed_local_state``).
+    """
     # Attention layers may hold a sub-config (multimodal wrappers); key by each layer's config.
     config_ids = {id(mod.config) for mod in model.modules() if hasattr(mod, "layer_idx") and hasattr(mod, "config")}
     config_ids.add(id(model.config))
@@ -108,7 +136,7 @@ def nectar_attention(
         if config_ids & _ACTIVE.keys():
             raise RuntimeError("nectar_attention is already active on this model")
         for cid in config_ids:
-            _ACTIVE[cid] = _Active(provider, recorder)
+            _ACTIVE[cid] = _Active(provider, recorder, tuple(segments) if segments is not None else None)
     previous = model.config._attn_implementation
     try:
         model.set_attn_implementation(IMPL_NAME)

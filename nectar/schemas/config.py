@@ -94,8 +94,8 @@ class TargetsConfig(FrozenConfig):
     splits: tuple[str, ...] = ("train", "test")
     chunk_tokens: int = 64  # zarr chunk along the token axis (random reads of batches)
     shard_tokens: int = 2048  # zarr shard along the token axis (one write unit)
-    batch_size: int = resource(8)  # pairs per forward at most
-    max_padding: float = resource(0.1, ge=0)  # padded slots per real token a batch may add
+    batch_size: int = resource(8, ge=1)  # pairs per forward at most (packed back to back, no padding)
+    batch_tokens: int = resource(2048, ge=1)  # query tokens per forward at most (a longer pair runs alone)
 
 
 class ModuleConfig(FrozenConfig):

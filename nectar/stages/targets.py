@@ -20,7 +20,7 @@ from ..models import BaseModel
 from ..schemas.artifacts import DatasetRow, TargetsHeader, TargetsPairRow
 from ..schemas.config import TargetsConfig
 from ..tables import write_table
-from ..targets.capture import capture_batch
+from ..targets.capture import capture_packed
 from ..targets.store import create_targets, open_targets
 
 Progress = Callable[[int, int], None]
@@ -40,7 +40,7 @@ def plan_pairs(rows: list[DatasetRow], layout: PromptLayout, cfg: TargetsConfig)
     """Tokenize kept pairs of the configured splits, train first; truncate to max_query_tokens."""
     kept = [r for r in rows if r.kept and r.split in cfg.splits]
     tokens = {r.pair_id: layout.pair(r.instruction, r.response) for r in kept}
-    # Train first; within a split by length, so padded batches hold pairs of similar length.
+    # Train first; within a split by length (stable, reproducible order).
     kept.sort(key=lambda r: (r.split != "train", len(tokens[r.pair_id].ids), r.pair_id))
     planned, start = [], 0
     for i, r in enumerate(kept):
@@ -78,7 +78,7 @@ def build_targets(
     done = first
     shard = g["token_ids"].shards[0]  # the array's own shard (shard_tokens rounded to whole chunks)
     with _ShardWriter(g, shard, written, offsets[first]) as writer:
-        for batch in batch_plan(planned[first:], cfg.batch_size, cfg.max_padding):
+        for batch in batch_plan(planned[first:], cfg.batch_size, cfg.batch_tokens):
             writer.add(_capture(base, provider, batch, layout.n, cfg.top_k))
             done += len(batch)
             if progress:
@@ -92,26 +92,20 @@ def build_targets(
             **{f"pairs_{k}": v for k, v in header.split_pairs.items()}}
 
 
-def batch_plan(planned: list[PlannedPair], batch_size: int, max_padding: float) -> list[list[PlannedPair]]:
-    """Consecutive batches of at most ``batch_size`` pairs whose right padding stays within
-    ``max_padding`` of the real tokens.
-
-    The plan is sorted by length within a split, so each new pair is the longest of its batch; a
-    long pair that would pad its shorter neighbours beyond the limit starts a new batch instead.
-    Padded slots cost the same FLOPs as real tokens (1.38x the work at a fixed 8 pairs on the
-    default document), while a smaller batch costs little on either CPU or GPU at these lengths.
-    """
+def batch_plan(planned: list[PlannedPair], batch_size: int, batch_tokens: int) -> list[list[PlannedPair]]:
+    """Consecutive batches of at most ``batch_size`` pairs and ``batch_tokens`` query tokens (a
+    longer pair runs alone). Pairs are packed back to back, so a batch costs its real tokens only;
+    the token cap bounds the forward's activations and recorded rows (~140 kB per token on
+    SmolLM2-135M) whatever the pairs' lengths."""
     batches: list[list[PlannedPair]] = []
     cur: list[PlannedPair] = []
-    real = 0
+    tokens = 0
     for p in planned:
-        longest = max([p.row.length] + [c.row.length for c in cur])
-        padded = longest * (len(cur) + 1)
-        if cur and (len(cur) >= batch_size or padded > (1 + max_padding) * (real + p.row.length)):
+        if cur and (len(cur) >= batch_size or tokens + p.row.length > batch_tokens):
             batches.append(cur)
-            cur, real = [], 0
+            cur, tokens = [], 0
         cur.append(p)
-        real += p.row.length
+        tokens += p.row.length
     if cur:
         batches.append(cur)
     return batches
@@ -140,31 +134,22 @@ def _open_or_create(zurl: str, header: TargetsHeader, cfg: TargetsConfig):
 
 
 def _capture(base, provider, batch: list[PlannedPair], n: int, top_k: int) -> dict[str, np.ndarray]:
-    """Run one padded batch and return token-major rows for its real tokens, concatenated."""
-    m = max(len(p.ids) for p in batch)
-    ids = torch.zeros((len(batch), m), dtype=torch.long, device=base.device)
-    mask = torch.zeros_like(ids)
-    kl_positions = torch.zeros((len(batch), m), dtype=torch.bool, device=base.device)
-    for i, p in enumerate(batch):
-        ids[i, : len(p.ids)] = torch.as_tensor(p.ids)
-        mask[i, : len(p.ids)] = 1
+    """Run one packed batch; return its token-major rows (pairs back to back, as stored)."""
+    kl_rows = np.zeros(sum(len(p.ids) for p in batch), dtype=bool)
+    start = 0
+    for p in batch:
         # the teacher's top-K at t is read only where t+1 is a response token (the KL loss)
-        kl_positions[i, max(p.row.response_start - 1, 0): len(p.ids) - 1] = True
-    cap = capture_batch(base, provider, ids, mask, n, top_k, logit_mask=kl_positions)
-    parts: dict[str, list[np.ndarray]] = {k: [] for k in
-                                          ("q", "alpha", "A", "topk_ids", "topk_logprobs", "token_ids",
-                                           "positions", "response_mask")}
-    for i, p in enumerate(batch):
-        k = len(p.ids)
-        parts["q"].append(cap.q[i, :k].cpu().numpy())
-        parts["alpha"].append(cap.alpha[i, :k].cpu().numpy())
-        parts["A"].append(cap.A[i, :k].cpu().numpy())
-        parts["topk_ids"].append(cap.topk_ids[i, :k].cpu().numpy())
-        parts["topk_logprobs"].append(cap.topk_logprobs[i, :k].cpu().numpy())
-        parts["token_ids"].append(np.asarray(p.ids, dtype=np.int32))
-        parts["positions"].append(np.arange(n, n + k, dtype=np.int32))
-        parts["response_mask"].append(np.arange(k) >= p.row.response_start)
-    return {key: np.concatenate(v) for key, v in parts.items()}
+        kl_rows[start + max(p.row.response_start - 1, 0): start + len(p.ids) - 1] = True
+        start += len(p.ids)
+    cap = capture_packed(base, provider, [p.ids for p in batch], n, top_k,
+                         logit_rows=torch.from_numpy(kl_rows).to(base.device))
+    return {
+        "q": cap.q.cpu().numpy(), "alpha": cap.alpha.cpu().numpy(), "A": cap.A.cpu().numpy(),
+        "topk_ids": cap.topk_ids.cpu().numpy(), "topk_logprobs": cap.topk_logprobs.cpu().numpy(),
+        "token_ids": np.concatenate([np.asarray(p.ids, dtype=np.int32) for p in batch]),
+        "positions": np.concatenate([np.arange(n, n + len(p.ids), dtype=np.int32) for p in batch]),
+        "response_mask": np.concatenate([np.arange(len(p.ids)) >= p.row.response_start for p in batch]),
+    }
 
 
 class _ShardWriter:

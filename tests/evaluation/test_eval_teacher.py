@@ -7,7 +7,7 @@ from nectar.attention.prefix import ExactDocState, prefill_document
 from nectar.attention.state import AttnState
 from nectar.evaluation.teacher import EvalPair, head_errors, teacher_forced_sums
 from nectar.layout import build_layout
-from nectar.targets.capture import capture_batch
+from nectar.targets.capture import capture_packed
 
 
 DOC = ("The lighthouse keeper of Varn Island kept a ledger of every ship that passed. In 1871 the "
@@ -79,9 +79,8 @@ def test_batching_does_not_change_the_sums(tiny_llama, setup):
 def test_head_errors_are_zero_for_the_exact_state_and_exact_for_a_known_shift(tiny_llama, setup):
     layout, kv, pairs = setup
     p = pairs[0]
-    ids = torch.tensor([list(p.ids)])
-    cap = capture_batch(tiny_llama, ExactDocState(kv), ids, torch.ones_like(ids), layout.n, top_k=4)
-    q, alpha, A = cap.q[0].numpy(), cap.alpha[0].numpy(), cap.A[0].numpy()  # [T, L, Hq, (d)]
+    cap = capture_packed(tiny_llama, ExactDocState(kv), [list(p.ids)], layout.n, top_k=4)
+    q, alpha, A = cap.q.numpy(), cap.alpha.numpy(), cap.A.numpy()  # [T, L, Hq, (d)]
     exact = head_errors(ExactDocState(kv), q, alpha, A, tiny_llama.scaling, token_batch=5).means()
     assert float(exact["mse_A"].max()) < 1e-10 and float(exact["mse_alpha"].max()) < 1e-9
     shifted = head_errors(Shifted(ExactDocState(kv), 0.1, 0.5), q, alpha, A, tiny_llama.scaling).means()

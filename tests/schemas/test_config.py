@@ -344,7 +344,7 @@ INPUTS = {"dataset": "abc123"}
 
 RESOURCE_OVERRIDES = [
     "targets.batch_size=2",
-    "targets.max_padding=0.5",
+    "targets.batch_tokens=512",
     "train.num_workers=3",
     "model.device=cpu",
     "model.attention_backend=torch",
@@ -399,15 +399,15 @@ def test_semantic_fields_change_cache_keys_and_run_dir(override):
 
 
 def test_cache_key_of_a_config_object_excludes_resources():
-    a = TargetsConfig(top_k=8, batch_size=1, max_padding=0.0)
-    b = TargetsConfig(top_k=8, batch_size=64, max_padding=2.0)
+    a = TargetsConfig(top_k=8, batch_size=1, batch_tokens=64)
+    b = TargetsConfig(top_k=8, batch_size=64, batch_tokens=8192)
     assert cache_key("targets", a, INPUTS) == cache_key("targets", b, INPUTS)
     assert cache_key("targets", a, INPUTS) != cache_key("targets", TargetsConfig(top_k=9), INPUTS)
     assert cache_key("targets", a, INPUTS) != cache_key("targets", a, {"dataset": "other"})
     assert cache_key("targets", a, INPUTS) != cache_key("train", a, INPUTS)
     assert TrainConfig(num_workers=4).cache_dict() == TrainConfig().cache_dict()
     assert "num_workers" not in TrainConfig().cache_dict()
-    assert {"batch_size", "max_padding"}.isdisjoint(TargetsConfig().cache_dict())
+    assert {"batch_size", "batch_tokens"}.isdisjoint(TargetsConfig().cache_dict())
     assert "batch_size" in TrainConfig().cache_dict()  # training's batch size is semantic
 
 
@@ -425,7 +425,7 @@ def test_cache_dict_drops_every_resource_field_at_every_depth():
     cfg = load_config("paper")
     paths = list(_resource_paths(PipelineConfig))
     # the resource fields the brief of each class documents are among them
-    for expected in [("targets", "batch_size"), ("targets", "max_padding"), ("train", "num_workers"),
+    for expected in [("targets", "batch_size"), ("targets", "batch_tokens"), ("train", "num_workers"),
                      ("model", "device"), ("verify", "answer_llm", "max_concurrency")]:
         assert expected in paths
     cache, full = cfg.cache_dict(), cfg.model_dump()
