@@ -122,3 +122,19 @@ def test_empty_dataset_and_bad_header_rejected(tiny_llama, document, tmp_path):
         targets_stage.build_targets(tiny_llama, layout, kv, rows, TargetsConfig(), str(tmp_path), "sha")
     with pytest.raises(ArtifactError, match="no targets group"):
         open_targets(str(tmp_path / "missing.zarr"))
+
+
+def test_background_and_inline_shard_writes_give_the_same_group(tiny_llama, document, tmp_path, monkeypatch):
+    """The writer thread runs only when a core is free for it; both ways store identical targets."""
+    layout = build_layout(tiny_llama.tokenizer, document)
+    kv = prefill_document(tiny_llama, layout.context_ids)
+    cfg = TargetsConfig(top_k=4, chunk_tokens=8, shard_tokens=16, batch_size=2)
+    groups = {}
+    for background in (True, False):
+        monkeypatch.setattr(targets_stage, "_spare_core", lambda device, bg=background: bg)
+        out = tmp_path / str(background)
+        targets_stage.build_targets(tiny_llama, layout, kv, _rows(6), cfg, str(out), "sha")
+        groups[background], header = open_targets(str(out / "targets.zarr"))
+        assert header.complete and groups[background].attrs["written_tokens"] == header.n_tokens
+    for name in ("q", "alpha", "A", "topk_ids", "topk_logprobs", "token_ids", "positions", "response_mask"):
+        assert np.array_equal(groups[True][name][:], groups[False][name][:]), name
