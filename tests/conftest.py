@@ -20,6 +20,14 @@ def tiny_llama():
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen2():
+    from nectar.models import load_base_model
+    from nectar.schemas import ModelConfig
+
+    return load_base_model(ModelConfig(name="tiny:qwen2", device="cpu"))
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen3():
     from nectar.models import load_base_model
     from nectar.schemas import ModelConfig

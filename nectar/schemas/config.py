@@ -17,7 +17,7 @@ STAGES: tuple[str, ...] = ("chunk", "synthesize", "verify", "targets", "train", 
 
 
 class ModelConfig(FrozenConfig):
-    """The frozen base model. ``name`` is ``embedded:smollm2-135m``, ``tiny:llama``/``tiny:qwen3``
+    """The frozen base model. ``name`` is ``embedded:smollm2-135m``, ``tiny:llama``/``tiny:qwen2``/``tiny:qwen3``
     (random weights built in-process, for tests), an HF model id or a local directory."""
 
     name: str = "embedded:smollm2-135m"

@@ -90,7 +90,7 @@ def _load_tiny(name: str, dtype: str):
     return load_base_model(ModelConfig(name=name, dtype=dtype, device="cuda"))
 
 
-@pytest.mark.parametrize("name", ["tiny:llama", "tiny:qwen3"])
+@pytest.mark.parametrize("name", ["tiny:llama", "tiny:qwen2", "tiny:qwen3"])
 def test_oracle_float32_torch_backend_on_cuda(name, document):
     base = _load_tiny(name, "float32")
     layout = build_layout(base.tokenizer, document)
@@ -105,7 +105,7 @@ def test_oracle_float32_torch_backend_on_cuda(name, document):
             assert err < 1e-4, f"{name}: query-only logits differ from the full forward by {err:.3g}"
 
 
-@pytest.mark.parametrize("name", ["tiny:llama", "tiny:qwen3"])
+@pytest.mark.parametrize("name", ["tiny:llama", "tiny:qwen2", "tiny:qwen3"])
 def test_oracle_bf16_fused_backend_on_cuda(name, document):
     """bf16 has no exact answer to compare with, so both bf16 paths are measured against the float32
     forward of the same weights: ours (fused document state + merge) must be as close to it as the

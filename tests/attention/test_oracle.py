@@ -27,7 +27,7 @@ def _check_oracle(base, document, atol):
     return layout, kv
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen3"])
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2", "tiny_qwen3"])
 def test_exact_provider_reproduces_full_forward_tiny(fixture, request, document):
     _check_oracle(request.getfixturevalue(fixture), document, atol=1e-4)
 

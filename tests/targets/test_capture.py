@@ -35,7 +35,7 @@ def _check_packed_capture_matches_full_forward(base, document, atol):
     assert cap.alpha.shape == (t, base.num_layers, base.num_q_heads)
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen3"])
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2", "tiny_qwen3"])
 def test_packed_capture_reproduces_full_forward_tiny(fixture, request, document):
     _check_packed_capture_matches_full_forward(request.getfixturevalue(fixture), document, atol=1e-4)
 

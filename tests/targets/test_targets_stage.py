@@ -43,7 +43,10 @@ def _independent_alpha_A(base, layout, ids, layer):
 
     hs = captured["h"]
     b, T, _ = hs.shape
-    q = attn.q_proj(hs).view(b, T, -1, base.head_dim).transpose(1, 2)
+    q = attn.q_proj(hs).view(b, T, -1, base.head_dim)
+    if hasattr(attn, "q_norm"):  # Qwen3 normalises each query head before the rotation
+        q = attn.q_norm(q)
+    q = q.transpose(1, 2)
     cos, sin = captured["pe"]
     q, _ = apply_rotary_pos_emb(q, q, cos, sin)
     k = cache.layers[layer].keys[:, :, : layout.n]
@@ -54,28 +57,32 @@ def _independent_alpha_A(base, layout, ids, layer):
     return torch.logsumexp(logits, -1)[0].T, (torch.softmax(logits, -1) @ v)[0].transpose(0, 1), q[0, :, layout.n:].transpose(0, 1)
 
 
-def test_targets_match_independent_computation_and_validate(tiny_llama, document, tmp_path):
-    layout = build_layout(tiny_llama.tokenizer, document)
-    kv = prefill_document(tiny_llama, layout.context_ids)
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2", "tiny_qwen3"])
+def test_targets_match_independent_computation_and_validate(fixture, request, document, tmp_path):
+    base = request.getfixturevalue(fixture)  # every supported family, same checks
+    layout = build_layout(base.tokenizer, document)
+    kv = prefill_document(base, layout.context_ids)
     cfg = TargetsConfig(top_k=4, chunk_tokens=8, shard_tokens=32, batch_size=2)
-    counts = targets_stage.build_targets(tiny_llama, layout, kv, _rows(), cfg, str(tmp_path), "sha")
+    counts = targets_stage.build_targets(base, layout, kv, _rows(), cfg, str(tmp_path), "sha")
     g, header = open_targets(str(tmp_path / "targets.zarr"))
     assert header.complete and counts["pairs"] == 5 and header.split_pairs == {"train": 4, "test": 1}
     pairs = read_table(str(tmp_path / "pairs.parquet"), TargetsPairRow)
     offsets = g["pair_offsets"][:]
     assert offsets[-1] == header.n_tokens == sum(p.length for p in pairs)
+    for p in pairs:  # every pair, wherever it sits in its packed batch
+        ids = g["token_ids"][p.start:p.start + p.length].tolist()
+        assert g["positions"][p.start:p.start + p.length].tolist() == list(range(layout.n, layout.n + p.length))
+        for layer in range(base.num_layers):
+            alpha, A, q = _independent_alpha_A(base, layout, ids, layer)
+            sl = slice(p.start, p.start + p.length)
+            assert np.allclose(g["alpha"][sl][:, layer], alpha.numpy(), atol=1e-4)
+            assert np.allclose(g["A"][sl][:, layer], A.numpy(), atol=1e-4)
+            assert np.allclose(g["q"][sl][:, layer], q.numpy(), atol=1e-4)
     p = pairs[2]
     ids = g["token_ids"][p.start:p.start + p.length].tolist()
-    assert g["positions"][p.start] == layout.n
-    for layer in range(tiny_llama.num_layers):
-        alpha, A, q = _independent_alpha_A(tiny_llama, layout, ids, layer)
-        sl = slice(p.start, p.start + p.length)
-        assert np.allclose(g["alpha"][sl][:, layer], alpha.numpy(), atol=1e-4)
-        assert np.allclose(g["A"][sl][:, layer], A.numpy(), atol=1e-4)
-        assert np.allclose(g["q"][sl][:, layer], q.numpy(), atol=1e-4)
     # teacher top-k are the full-context model's log-probs
     with torch.no_grad():
-        ref = torch.log_softmax(tiny_llama.model(torch.tensor([list(layout.context_ids) + ids])).logits[0, layout.n:], -1)
+        ref = torch.log_softmax(base.model(torch.tensor([list(layout.context_ids) + ids])).logits[0, layout.n:], -1)
     top = g["topk_logprobs"][p.start:p.start + p.length]
     # stored where the KL loss reads them (the next token is a response token), zeros elsewhere
     assert header.topk_scope == "kl_positions"
