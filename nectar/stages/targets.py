@@ -166,9 +166,10 @@ class _ShardWriter:
     when ``background`` (else in between batches); records progress (``written_tokens``) after each
     shard is on disk.
 
-    Two buffer sets alternate, so the next batches' rows are captured while the previous shard is
-    written; preallocated buffers also avoid concatenating lists of batches (repeated copies and
-    fresh page faults for every shard). Use as a context manager: leaving it waits for the writes.
+    Two buffer sets alternate, so with the thread the next batches' rows are captured while the
+    previous shard is written; preallocated buffers also avoid concatenating lists of batches
+    (repeated copies and fresh page faults for every shard). Use as a context manager: leaving it
+    waits for the writes.
     """
 
     def __init__(self, g, shard: int, written: int, buffer_start: int, background: bool = True):
