@@ -166,10 +166,10 @@ class _ShardWriter:
     when ``background`` (else in between batches); records progress (``written_tokens``) after each
     shard is on disk.
 
-    Two buffer sets alternate, so with the thread the next batches' rows are captured while the
-    previous shard is written; preallocated buffers also avoid concatenating lists of batches
-    (repeated copies and fresh page faults for every shard). Use as a context manager: leaving it
-    waits for the writes.
+    With the thread, two buffer sets alternate, so the next batches' rows are captured while the
+    previous shard is written; inline, one set is reused. Preallocated buffers also avoid
+    concatenating lists of batches (repeated copies and fresh page faults for every shard). Use as a
+    context manager: leaving it waits for the writes.
     """
 
     def __init__(self, g, shard: int, written: int, buffer_start: int, background: bool = True):
@@ -218,11 +218,11 @@ class _ShardWriter:
 
     def _submit(self, rows: int) -> None:
         start, bufs = self.written, self.sets[self.current]
-        if self.pool is None:
-            self._write(bufs, start, rows)
-        else:
-            self.pending[self.current] = self.pool.submit(self._write, bufs, start, rows)
         self.written = start + rows
+        if self.pool is None:  # written now: the same buffers take the next shard
+            self._write(bufs, start, rows)
+            return
+        self.pending[self.current] = self.pool.submit(self._write, bufs, start, rows)
         self.current = 1 - self.current
         if self.pending[self.current] is not None:  # the other set must be on disk before reuse
             self.pending[self.current].result()
