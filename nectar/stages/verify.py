@@ -13,7 +13,10 @@
 6. Seeded 80/20 train/test split of kept rows; challenge = the test instructions least similar
    (max cosine, all-MiniLM-L6-v2) to any training instruction.
 Every row — dropped ones included, with their verdict — is written to dataset.parquet. Answers
-and judgments are saved in partial files as they arrive, so a killed run resumes.
+and judgments are saved in partial files as they arrive, so a killed run resumes. The resume
+contract: nothing finished is asked again and finished replies are kept byte for byte; the rest
+are asked on the re-run in new batches, so with a batching backend their text may differ from an
+uninterrupted run's at float level (batched kernels are not batch-invariant on every processor).
 """
 from __future__ import annotations
 

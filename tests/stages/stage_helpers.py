@@ -1,5 +1,5 @@
-"""Thin wrappers around a REAL backend for stage tests: one counts requests, one simulates a crash
-(failure injection) after some results were delivered."""
+"""Thin wrappers around a REAL backend for stage tests: one counts requests, one records what the
+stage received, one simulates a crash (failure injection) after some results were delivered."""
 from __future__ import annotations
 
 
@@ -41,3 +41,18 @@ class CrashAfter(Counting):
             on_result(i, result)
 
         return super().chat_many(requests, progress=progress, on_result=deliver)
+
+
+class Recording(Counting):
+    """Records each result the stage actually received, by request seed (stages seed per request)."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.delivered: dict[int, object] = {}
+
+    def chat_many(self, requests, progress=None, on_result=None):
+        def record(i, result):
+            on_result(i, result)  # a fake crash raises here: that result never reached the stage
+            self.delivered[requests[i].seed] = result
+
+        return super().chat_many(requests, progress=progress, on_result=record)
