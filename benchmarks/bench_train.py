@@ -18,7 +18,6 @@ Figures printed:
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import re
 import sys

@@ -18,7 +18,7 @@ curl -fsS "$PREFECT_API_URL/health" >/dev/null || { echo "Prefect API not reacha
 if [ "${NECTAR_DEPLOY_ON_START:-1}" = "1" ]; then
   # Idempotent: creates or updates the pool, the gpu queue, the nectar-gpu limit and the deployments.
   # --llm-from-env points every LLM role at NECTAR_LLM_BASE_URL / NECTAR_JUDGE_BASE_URL.
-  python -m nectar.pipeline.deploy deploy \
+  nectar deploy \
     --pool "$POOL" \
     --preset "${NECTAR_PRESET:-cpu}" \
     --working-dir "$DATA" \

@@ -79,7 +79,7 @@ def ask(run_dir: str, question: str, stream: TextCallback | None = None, *,
     from .layout import build_layout
     from .models import load_base_model
     from .modules.io import load_module
-    from .orchestrate import open_run
+    from .orchestration import open_run
 
     ctx = open_run(run_dir)
     if not ctx.run.exists("train", "module.json"):

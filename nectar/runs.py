@@ -26,6 +26,7 @@ from . import __version__
 from .schemas.artifacts import StageManifest
 from .schemas.base import FrozenConfig, stable_hash
 from .schemas.config import STAGES
+from .storage import atomic_write
 from .tables import ArtifactError, read_json_artifact, write_json_artifact
 
 CODE_VERSION = __version__
@@ -84,10 +85,8 @@ class RunDir:
             fs.rm(path)
 
     def write_error(self, stage: str, message: str) -> None:
-        fs, path = fsspec.core.url_to_fs(self.url(stage, "error.json"))
-        fs.makedirs(fs._parent(path), exist_ok=True)
-        with fs.open(path, "w") as f:
-            json.dump({"stage": stage, "at": now(), "error": message}, f, indent=2)
+        atomic_write(self.url(stage, "error.json"),
+                     json.dumps({"stage": stage, "at": now(), "error": message}, indent=2))
 
     def read_error(self, stage: str) -> dict[str, Any] | None:
         fs, path = fsspec.core.url_to_fs(self.url(stage, "error.json"))
@@ -203,10 +202,7 @@ def record_failure(run: RunDir, stage: str, exc: BaseException) -> None:
 
 def _record_invocation(run: RunDir, stage: str, status: str) -> None:
     """What the latest invocation of a stage did (done / cached / failed), for `nectar status`."""
-    fs, path = fsspec.core.url_to_fs(run.url(stage, "last_invocation.json"))
-    fs.makedirs(fs._parent(path), exist_ok=True)
-    with fs.open(path, "w") as f:
-        json.dump({"status": status, "at": now()}, f)
+    atomic_write(run.url(stage, "last_invocation.json"), json.dumps({"status": status, "at": now()}))
 
 
 def last_invocation(run: RunDir, stage: str) -> dict[str, Any] | None:

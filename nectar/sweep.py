@@ -10,12 +10,13 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
-from .orchestrate import RunContext, read_eval_tables
+from .orchestration import RunContext, read_eval_tables
 from .runs import RunDir, now, slug
 from .schemas.artifacts import RunManifest
 from .schemas.base import stable_hash
 from .schemas.config import PipelineConfig
 from .schemas.presets import ConfigError, deep_merge, parse_override, regime_overlay
+from .storage import atomic_write
 from .tables import write_json_artifact
 
 # Short grid names for the paper's axes; any dotted config key works too.
@@ -88,10 +89,7 @@ def prepare_variant(parent: RunContext, variant: Variant) -> RunContext:
         doc_id=parent.doc_id, run_id=variant.name, source_uri=parent.info.source_uri,
         config=variant.config.model_dump(mode="json"), code_version=parent_code_version(),
         created_at=now(), parent_run=parent.run.root))
-    fs, path = __import__("fsspec").core.url_to_fs(run.url("document", "document.txt"))
-    fs.makedirs(fs._parent(path), exist_ok=True)
-    with fs.open(path, "w") as f:
-        f.write(parent.text)
+    atomic_write(run.url("document", "document.txt"), parent.text)
     write_json_artifact(run.url("document", "info.json"), parent.info)
     return RunContext(run, variant.config, parent.text, parent.info, parent.progress, parent.run)
 

@@ -16,6 +16,7 @@ import pyarrow.parquet as pq
 from pydantic import ValidationError
 
 from .schemas.base import Artifact
+from .storage import atomic_write
 
 R = TypeVar("R", bound=Artifact)
 
@@ -76,12 +77,7 @@ def write_table(url: str, rows: Iterable[Artifact], cls: type[R]) -> int:
             rec[name] = None if rec[name] is None else json.dumps(rec[name])
         records.append(rec)
     table = pa.Table.from_pylist(records, schema=arrow_schema(cls))
-    fs, path = fsspec.core.url_to_fs(url)
-    fs.makedirs(fs._parent(path), exist_ok=True)
-    tmp = path + ".tmp"
-    with fs.open(tmp, "wb") as f:
-        pq.write_table(table, f)
-    fs.mv(tmp, path)  # readers never see a half-written table
+    atomic_write(url, lambda f: pq.write_table(table, f))  # readers never see a half-written table
     return len(records)
 
 
@@ -133,9 +129,4 @@ def read_json_artifact(url: str, cls: type[R]) -> R:
 
 def write_json_artifact(url: str, obj: Artifact) -> None:
     """Atomic JSON write (temp file + rename)."""
-    fs, path = fsspec.core.url_to_fs(url)
-    fs.makedirs(fs._parent(path), exist_ok=True)
-    tmp = path + ".tmp"
-    with fs.open(tmp, "w") as f:
-        f.write(obj.model_dump_json(indent=2))
-    fs.mv(tmp, path)
+    atomic_write(url, obj.model_dump_json(indent=2))

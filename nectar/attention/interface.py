@@ -61,7 +61,6 @@ def nectar_attention_forward(
     if active is None:
         raise RuntimeError("nectar attention called outside nectar_attention(...) context")
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-    m, k_len = query.shape[2], key.shape[2]
     if attention_mask is not None and attention_mask.dtype != torch.bool:
         attention_mask = attention_mask > -1  # additive float mask → visibility
     if active.segments is not None:

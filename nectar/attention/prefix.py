@@ -6,7 +6,6 @@ instead of a learned one — and no stage ever re-prefills the document per pair
 """
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass
 
 import fsspec
@@ -15,6 +14,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from ..models import BaseModel
+from ..storage import atomic_write
 from .state import AttnState, attention_state
 
 
@@ -56,15 +56,10 @@ def save_doc_kv(doc_kv: DocKV, url: str, meta: dict[str, str]) -> None:
     tensors = {f"k.{i}": k.cpu() for i, k in enumerate(doc_kv.keys)}
     tensors.update({f"v.{i}": v.cpu() for i, v in enumerate(doc_kv.values)})
     blob = st_save(tensors, metadata={k: str(v) for k, v in meta.items()})
-    fs, path = fsspec.core.url_to_fs(url)
-    fs.makedirs(fs._parent(path), exist_ok=True)
-    with fs.open(path + ".tmp", "wb") as f:
-        f.write(blob)
-    fs.mv(path + ".tmp", path)
+    atomic_write(url, blob)
 
 
 def read_doc_kv_meta(url: str) -> dict[str, str]:
-    from safetensors import safe_open
 
     fs, path = fsspec.core.url_to_fs(url)
     with fs.open(path, "rb") as f:

@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..attention.prefix import DocKV, ExactDocState, prefill_document
+from ..attention.prefix import ExactDocState, prefill_document
 from ..attention.run import GenerationResult, generate
 from ..models import BaseModel
 from ..modules.budget import BudgetError

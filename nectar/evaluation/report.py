@@ -342,22 +342,19 @@ class WrittenReport:
 
 def write_report(out_url: str, inputs: ReportInputs) -> WrittenReport:
     """Write report.md (+ figures/*.png it links) and the self-contained report.html."""
-    import fsspec
+    from ..storage import atomic_write
 
     tables = report_tables(inputs)
     figures = report_figures(inputs, tables)
-    fs, root = fsspec.core.url_to_fs(out_url)
-    fs.makedirs(f"{root}/figures", exist_ok=True)
+    root = out_url.rstrip("/")
     files, fig_paths = [], {}
     for name, png in figures.items():
         rel = f"figures/{name}.png"
-        with fs.open(f"{root}/{rel}", "wb") as f:
-            f.write(png)
+        atomic_write(f"{root}/{rel}", png)
         files.append(rel)
         fig_paths[name] = rel
     for rel, text in (("report.md", render_markdown(inputs, tables, fig_paths)),
                       ("report.html", render_html(inputs, tables, figures))):
-        with fs.open(f"{root}/{rel}", "w") as f:
-            f.write(text)
+        atomic_write(f"{root}/{rel}", text)
         files.append(rel)
     return WrittenReport(files, tables)

@@ -14,6 +14,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from ..schemas.artifacts import ModuleSpec
+from ..storage import atomic_write
 from ..tables import read_json_artifact, write_json_artifact
 from .builder import ModulePlan, NectarModule, build_module
 
@@ -52,11 +53,7 @@ def save_module(module: NectarModule, spec: ModuleSpec, dir_url: str) -> list[st
     tensors = {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}
     blob = st_save(tensors, metadata={"base_model_hash": spec.base_model_hash,
                                       "doc_sha256": spec.doc_sha256, "arch": spec.arch})
-    fs, path = fsspec.core.url_to_fs(f"{dir_url.rstrip('/')}/{WEIGHTS}")
-    fs.makedirs(fs._parent(path), exist_ok=True)
-    with fs.open(path + ".tmp", "wb") as f:
-        f.write(blob)
-    fs.mv(path + ".tmp", path)
+    atomic_write(f"{dir_url.rstrip('/')}/{WEIGHTS}", blob)
     write_json_artifact(f"{dir_url.rstrip('/')}/{SPEC}", spec)
     return [WEIGHTS, SPEC]
 

@@ -6,11 +6,14 @@ import sys
 
 # Threads that spin-wait for work cost ~10x when other processes share the cores; set before torch.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-from typing import Optional
+from typing import NoReturn, Optional
 
 import typer
 from rich.console import Console
 from rich.table import Table
+
+from ..schemas.config import STAGES
+from . import deploy as ops
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="NECTAR: per-document modules that replace attention over a long document's KV cache.")
@@ -154,9 +157,8 @@ def ask(
 
 
 def _print_status(run_dir: str) -> None:
-    from ..orchestrate import available_stages
+    from ..orchestration import available_stages
     from ..runs import RunDir, stage_status
-    from ..schemas.config import STAGES
 
     run = RunDir(run_dir)
     avail = set(available_stages())
@@ -177,15 +179,135 @@ def _print_status(run_dir: str) -> None:
     Console().print(table)
 
 
-def _mount_ops() -> None:
-    """deploy / schedule / trigger / rerun / retry talk to a Prefect server (nectar.pipeline.deploy)."""
-    from .deploy import ops_app
+# ----- operations against a Prefect server: deploy / schedule / trigger / rerun / retry (deploy.py) -----
 
-    for command in ops_app.registered_commands:
-        app.registered_commands.append(command)
+_OVERRIDE = typer.Option(None, "--override", "-o", help="section.key=value (repeatable)")
 
 
-_mount_ops()
+def _fail(exc: Exception) -> NoReturn:
+    typer.secho(f"error: {exc}", fg="red", err=True)
+    raise typer.Exit(2)
+
+
+def _print_registered(ids: dict[str, str]) -> None:
+    for name, dep_id in ids.items():
+        typer.echo(f"deployment {name}  ({dep_id})")
+
+
+@app.command("deploy")
+def deploy_cmd(
+    pool: str = typer.Option(ops.DEFAULT_POOL, help="process work pool (created if missing)"),
+    preset: str = typer.Option("cpu", help="default preset of the pipeline deployment"),
+    config: str | None = typer.Option(None, "--config", help="default YAML config file"),
+    override: list[str] | None = _OVERRIDE,
+    working_dir: str | None = typer.Option(None, help="where flow runs execute; relative run dirs land here (default: cwd)"),
+    gpus: int = typer.Option(1, min=1, help="GPU stages allowed to run at once"),
+    llm_from_env: bool = typer.Option(False, help="point LLM roles at NECTAR_LLM_BASE_URL/NECTAR_JUDGE_BASE_URL"),
+    cron: str | None = typer.Option(None, help="also schedule --document on this cron"),
+    document: str | None = typer.Option(None, help="also deploy doc-<name> for this document URI "
+                                                   "(local path or fsspec URL), on --cron if given"),
+    run_dir: str | None = typer.Option(None, help="fixed run directory for the scheduled document"),
+) -> None:
+    """Register the pipeline and every stage as deployments (and optionally schedule a document)."""
+    if cron and not document:
+        _fail(ops.DeployError("--cron needs --document (the document to run on that schedule)"))
+    overrides = [*(ops.llm_overrides_from_env(os.environ) if llm_from_env else []), *(override or [])]
+    wd = working_dir or os.getcwd()
+    try:
+        _print_registered(ops.deploy(pool, preset, config, overrides, wd, gpus))
+        if document:
+            _print_registered(ops.schedule_document(document, cron, pool, preset, config, overrides,
+                                                run_dir, wd))
+    except Exception as exc:
+        _fail(exc)
+
+
+@app.command("schedule")
+def schedule_cmd(
+    document: str = typer.Argument(..., help="document URI (local path or fsspec URL)"),
+    cron: str = typer.Option(..., help='cron expression, e.g. "0 2 * * *" (02:00 daily)'),
+    timezone: str = typer.Option("UTC", help="time zone of the cron expression"),
+    pool: str = typer.Option(ops.DEFAULT_POOL),
+    preset: str = typer.Option("cpu"),
+    config: str | None = typer.Option(None, "--config"),
+    override: list[str] | None = _OVERRIDE,
+    run_dir: str | None = typer.Option(None, help="fixed run directory (default: runs/<doc-id>/<run-id>)"),
+    working_dir: str | None = typer.Option(None),
+) -> None:
+    """Schedule one document: a deployment ``doc-<name>`` with a cron and fixed parameters."""
+    try:
+        _print_registered(ops.schedule_document(document, cron, pool, preset, config, override, run_dir,
+                                            working_dir or os.getcwd(), timezone))
+    except Exception as exc:
+        _fail(exc)
+
+
+@app.command("trigger")
+def trigger_cmd(
+    document: str = typer.Argument(..., help="document URI (local path or fsspec URL)"),
+    preset: str | None = typer.Option(None, help="default: the deployment's"),
+    config: str | None = typer.Option(None, "--config"),
+    override: list[str] | None = _OVERRIDE,
+    run_dir: str | None = typer.Option(None, help="reuse a run directory (a retry skips its completed stages)"),
+    from_stage: str | None = typer.Option(None, "--from", help="re-run this stage and everything after it"),
+    only_stage: str | None = typer.Option(None, "--only", help="re-run only this stage"),
+    force: bool = typer.Option(False, "--force", help="ignore the cache for every stage"),
+    wait: bool = typer.Option(False, help="wait for the run to finish and print each stage's state"),
+    timeout: float = typer.Option(3600.0, help="seconds to wait with --wait"),
+) -> None:
+    """Start a pipeline run for a document through the Prefect server (a worker executes it)."""
+    try:
+        _report(ops.trigger(document, preset, config, override, run_dir, from_stage, only_stage, force),
+                wait, timeout)
+    except Exception as exc:
+        _fail(exc)
+
+
+@app.command("rerun")
+def rerun_cmd(
+    run_dir: str = typer.Argument(..., help="an existing run directory (holds run.json)"),
+    stage: str = typer.Argument(..., help=f"one of {', '.join(STAGES)}"),
+    local: bool = typer.Option(False, help="run it in this process instead of on a worker"),
+    wait: bool = typer.Option(False, help="wait for the run to finish"),
+    timeout: float = typer.Option(3600.0),
+) -> None:
+    """Re-run ONE stage of an existing run on its existing inputs (its stage deployment, or --local)."""
+    try:
+        if local:
+            from .flows import nectar_stage
+
+            typer.echo(nectar_stage(run_dir=run_dir, stage=stage, force=True))
+            return
+        _report(ops.rerun_stage(run_dir, stage), wait, timeout)
+    except Exception as exc:
+        _fail(exc)
+
+
+@app.command("retry")
+def retry_cmd(
+    flow_run: str = typer.Argument(..., help="flow run id, or the name of a failed run (latest is taken)"),
+    wait: bool = typer.Option(False, help="wait for the run to finish"),
+    timeout: float = typer.Option(3600.0),
+) -> None:
+    """Retry a failed pipeline run with the same parameters (completed stages are skipped)."""
+    try:
+        _report(ops.retry_flow_run(flow_run), wait, timeout)
+    except Exception as exc:
+        _fail(exc)
+
+
+def _report(flow_run, wait: bool, timeout: float) -> None:
+    typer.echo(f"flow run {flow_run.name} ({flow_run.id}) scheduled")
+    if not wait:
+        return
+    from .server_status import summary_lines
+
+    done = ops.wait_for_run(flow_run.id, timeout)
+    for line in summary_lines(done.id):
+        typer.echo(f"  {line}")
+    typer.echo(f"flow run {done.name}: {done.state.name}")
+    if done.state.type.value != "COMPLETED":
+        raise typer.Exit(1)
 
 
 def main() -> None:  # pragma: no cover

@@ -1,4 +1,4 @@
-"""Prefect flows: thin wrappers over ``nectar.orchestrate``.
+"""Prefect flows: thin wrappers over ``nectar.orchestration``.
 
 ``nectar_pipeline`` is the parent flow (one run per document); each stage runs as the subflow
 ``nectar_stage`` named ``<doc-id>-<stage>`` and tagged by document, publishing a counts table, a
@@ -17,11 +17,13 @@ from prefect.artifacts import create_markdown_artifact, create_progress_artifact
     update_progress_artifact
 from prefect.runtime import flow_run
 
-from .. import orchestrate
+from .. import orchestration
+from ..orchestration.readers import write_json
 from ..runs import record_failure
 from .gpu_slots import gpu_slot
 from ..schemas.config import STAGES
 from ..schemas.presets import load_config
+from ..storage import atomic_write
 
 # The CLI sets this to a terminal progress-bar factory; flows also publish Prefect progress.
 CONSOLE_PROGRESS: Callable[[str], Callable[[int, int], None]] | None = None
@@ -59,23 +61,23 @@ def _prefect_progress(doc_id: str) -> Callable[[str], Callable[[int, int], None]
     return factory
 
 
-def _publish(ctx: orchestrate.RunContext, stage: str, outcome) -> None:
+def _publish(ctx: orchestration.RunContext, stage: str, outcome) -> None:
     counts = outcome.manifest.counts
     rows = [{"metric": k, "value": v} for k, v in counts.items()]
     rows.insert(0, {"metric": "status", "value": outcome.status})
     rows.append({"metric": "duration_s", "value": outcome.manifest.duration_s})
     create_table_artifact(key=_key(ctx.doc_id, stage, "counts"), table=rows,
                           description=f"{ctx.doc_id} · {stage} · {outcome.status}")
-    samples = orchestrate.stage_samples(ctx, stage)
+    samples = orchestration.stage_samples(ctx, stage)
     if samples:
         create_table_artifact(key=_key(ctx.doc_id, stage, "sample"), table=samples,
                               description=f"{ctx.doc_id} · {stage} · first rows")
-    for name, table in orchestrate.stage_extra_tables(ctx, stage).items():
+    for name, table in orchestration.stage_extra_tables(ctx, stage).items():
         create_table_artifact(key=_key(ctx.doc_id, stage, name), table=table,
                               description=f"{ctx.doc_id} · {stage} · {name}")
 
 
-def _publish_failure(ctx: orchestrate.RunContext, stage: str, exc: BaseException) -> None:
+def _publish_failure(ctx: orchestration.RunContext, stage: str, exc: BaseException) -> None:
     rerun = f"nectar rerun {ctx.run.root} {stage}"
     try:
         create_markdown_artifact(
@@ -93,13 +95,13 @@ def nectar_stage(run_dir: str, stage: str, force: bool = True) -> dict[str, Any]
     """Run one stage of an existing run directory (re-runs it when ``force``)."""
     if stage not in STAGES:
         raise ValueError(f"unknown stage {stage!r}; stages are {', '.join(STAGES)}")
-    ctx = orchestrate.open_run(run_dir)
+    ctx = orchestration.open_run(run_dir)
     ctx.progress = _prefect_progress(ctx.doc_id)
     logger = get_run_logger()
     with tags("nectar", f"doc:{ctx.doc_id}", f"stage:{stage}"):
         try:
             with gpu_slot(stage):  # one GPU stage at a time per GPU, across runs (needs a server)
-                outcome = orchestrate.STAGE_RUNNERS[stage](ctx, force)
+                outcome = orchestration.STAGE_RUNNERS[stage](ctx, force)
         except BaseException as exc:
             record_failure(ctx.run, stage, exc)
             _publish_failure(ctx, stage, exc)
@@ -129,11 +131,11 @@ def nectar_pipeline(
 ) -> dict[str, Any]:
     """chunk → synthesize → verify → targets → train → evaluate for one document."""
     config = load_config(preset, config_file, regime, overrides or [])
-    plan = orchestrate.plan_stages(from_stage, only_stage, force)
+    plan = orchestration.plan_stages(from_stage, only_stage, force)
     if only_stage and run_dir:
-        ctx = orchestrate.open_run(run_dir)
+        ctx = orchestration.open_run(run_dir)
     else:
-        ctx = orchestrate.prepare_run(document, config, run_dir)
+        ctx = orchestration.prepare_run(document, config, run_dir)
     results = {}
     with tags("nectar", f"doc:{ctx.doc_id}"):
         for stage, stage_force in plan:
@@ -159,10 +161,10 @@ def nectar_sweep(
 
     config = load_config(preset, config_file, regime, overrides or [])
     variants = sweep.with_base(config, sweep.expand_variants(config, sweep.parse_grid(grid)))
-    ctx = orchestrate.prepare_run(document, config, run_dir)
+    ctx = orchestration.prepare_run(document, config, run_dir)
     rows = []
     with tags("nectar", f"doc:{ctx.doc_id}", "sweep"):
-        for stage in orchestrate.SHARED_DATA_STAGES:
+        for stage in orchestration.SHARED_DATA_STAGES:
             nectar_stage.with_options(flow_run_name=f"{ctx.doc_id}-{stage}")(
                 run_dir=ctx.run.root, stage=stage, force=force)
         for variant in variants:
@@ -172,10 +174,7 @@ def nectar_sweep(
                     run_dir=vctx.run.root, stage=stage, force=force)
             rows.append(sweep.comparison_row(variant, vctx.run))
     table_md = sweep.comparison_markdown(rows)
-    fs, path = __import__("fsspec").core.url_to_fs(ctx.run.url("sweep", "comparison.md"))
-    fs.makedirs(fs._parent(path), exist_ok=True)
-    with fs.open(path, "w") as f:
-        f.write(table_md)
-    orchestrate._write_json(ctx.run.url("sweep", "comparison.json"), rows)
+    atomic_write(ctx.run.url("sweep", "comparison.md"), table_md)
+    write_json(ctx.run.url("sweep", "comparison.json"), rows)
     create_table_artifact(key=_key(ctx.doc_id, "sweep"), table=rows, description=f"{ctx.doc_id} · sweep")
     return {"run_dir": ctx.run.root, "doc_id": ctx.doc_id, "comparison": rows, "table": table_md}

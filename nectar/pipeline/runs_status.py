@@ -76,7 +76,7 @@ class RunStatus:
 
 def available_stages() -> set[str]:
     """Stages this build implements (the orchestrator's list)."""
-    from ..orchestrate import available_stages as implemented
+    from ..orchestration import available_stages as implemented
 
     return set(implemented())
 

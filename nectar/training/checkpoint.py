@@ -15,6 +15,8 @@ import fsspec
 import numpy as np
 import torch
 
+from ..storage import atomic_write
+
 CHECKPOINT = "last.pt"
 
 
@@ -31,12 +33,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
 def save_checkpoint(dir_url: str, state: dict[str, Any]) -> str:
     buf = io.BytesIO()
     torch.save(state, buf)
-    fs, path = fsspec.core.url_to_fs(f"{dir_url.rstrip('/')}/{CHECKPOINT}")
-    fs.makedirs(fs._parent(path), exist_ok=True)
-    with fs.open(path + ".tmp", "wb") as f:
-        f.write(buf.getvalue())
-    fs.mv(path + ".tmp", path)
-    return path
+    url = f"{dir_url.rstrip('/')}/{CHECKPOINT}"
+    atomic_write(url, buf.getvalue())
+    return fsspec.core.url_to_fs(url)[1]
 
 
 def load_checkpoint(dir_url: str, fingerprint: str) -> dict[str, Any] | None:

@@ -51,7 +51,7 @@ def test_sampling_is_seeded(tiny_qwen3, document):
 
 
 def test_ask_on_a_run_directory_checks_the_document(tiny_llama, document, tmp_path):
-    from nectar.orchestrate import prepare_run
+    from nectar.orchestration import prepare_run
     from nectar.schemas.presets import load_config
 
     doc = tmp_path / "lighthouse.txt"

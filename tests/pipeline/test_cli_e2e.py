@@ -1,11 +1,9 @@
 """The whole DAG through the real CLI and Prefect (ephemeral mode) on the tiny preset."""
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 

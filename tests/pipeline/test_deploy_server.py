@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -209,7 +208,7 @@ def test_rerun_one_stage_through_its_deployment(failed_then_retried):
 
 def test_two_workers_share_the_pool_with_file_url_run_dirs(prefect_server, deployed, tmp_path):
     """Two worker processes (one run each at a time) drain two stage runs on file:// run dirs."""
-    from nectar.orchestrate import prepare_run
+    from nectar.orchestration import prepare_run
     from nectar.schemas.presets import load_config
 
     pool = "nectar-two-workers"
@@ -221,7 +220,7 @@ def test_two_workers_share_the_pool_with_file_url_run_dirs(prefect_server, deplo
         prepare_run(str(doc), config, rd)
     with running_worker(prefect_server, pool, "w-a", tmp_path, limit=1), \
             running_worker(prefect_server, pool, "w-b", tmp_path, limit=1):
-        runs = [dep._run(f"nectar-stage/chunk", {"run_dir": rd, "stage": "chunk"}, ["nectar"])
+        runs = [dep._run("nectar-stage/chunk", {"run_dir": rd, "stage": "chunk"}, ["nectar"])
                 for rd in run_dirs]
         done = [dep.wait_for_run(r.id, RUN_TIMEOUT_S, poll_s=1) for r in runs]
     assert [d.state.type.value for d in done] == ["COMPLETED", "COMPLETED"]

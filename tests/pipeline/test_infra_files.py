@@ -167,7 +167,7 @@ def test_entrypoint_scripts_are_executable_valid_bash():
         out = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
         assert out.returncode == 0, out.stderr
     worker = (INFRA / "worker-entrypoint.sh").read_text()
-    assert "python -m nectar.pipeline.deploy deploy" in worker and "--llm-from-env" in worker
+    assert "nectar deploy" in worker and "--llm-from-env" in worker
     assert "prefect worker start --pool" in worker and "--type process" in worker
 
 

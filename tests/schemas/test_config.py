@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from nectar.orchestrate import default_run_dir
+from nectar.orchestration import default_run_dir
 from nectar.runs import cache_key
 from nectar.schemas.base import FrozenConfig, stable_hash
 from nectar.schemas.config import (
@@ -369,7 +369,7 @@ SEMANTIC_OVERRIDES = [
 
 
 def _stage_keys(cfg: PipelineConfig) -> dict[str, str]:
-    """The cache key of every stage, computed like orchestrate does: own section + the model."""
+    """The cache key of every stage, computed like nectar.orchestration does: own section + the model."""
     return {stage: cache_key(stage, {stage: getattr(cfg, stage).cache_dict(), "model": cfg.model.cache_dict()},
                              INPUTS)
             for stage in ("chunk", "synthesize", "verify", "targets", "train", "evaluate")}

@@ -17,7 +17,7 @@ from nectar.llm import ChatResult, LLMUnavailableError
 from nectar.llm.local import LocalBackend
 from nectar.llm.openai_backend import OpenAIBackend
 from nectar.models import load_base_model
-from nectar.schemas.artifacts import ChunkRow, PairRow
+from nectar.schemas.artifacts import PairRow
 from nectar.schemas.config import TASK_TYPES, ChunkConfig, LLMConfig, ModelConfig, SynthesizeConfig
 from nectar.stages.chunk import chunk_document
 from nectar.stages.synthesize import _seed, parse_pairs, rows_from_result, synthesize

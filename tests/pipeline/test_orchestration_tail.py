@@ -2,7 +2,7 @@
 written by hand (the LLM stages are covered by their own tests and the end-to-end CLI test)."""
 import pytest
 
-from nectar import orchestrate
+from nectar import orchestration
 from nectar.runs import run_stage, stage_status
 from nectar.schemas import DatasetRow, load_config
 from nectar.tables import write_table
@@ -35,8 +35,8 @@ def tiny_ctx(tmp_path, document):
     path = tmp_path / "doc.txt"
     path.write_text(document)
     config = load_config("tiny", overrides=["train.samples=600", "evaluate.judge.max_new_tokens=8"])
-    ctx = orchestrate.prepare_run(str(path), config, str(tmp_path / "run"))
-    orchestrate.run_chunk(ctx)
+    ctx = orchestration.prepare_run(str(path), config, str(tmp_path / "run"))
+    orchestration.run_chunk(ctx)
     _write_verified(ctx)
     return ctx
 
@@ -45,41 +45,41 @@ def tiny_ctx(tmp_path, document):
 def test_targets_train_evaluate_and_cache(tiny_ctx):
     ctx = tiny_ctx
     for stage in ("targets", "train", "evaluate"):
-        out = orchestrate.STAGE_RUNNERS[stage](ctx, False)
+        out = orchestration.STAGE_RUNNERS[stage](ctx, False)
         assert out.status == "done", stage
     assert ctx.run.exists("evaluate", "report.html")
-    tables = orchestrate.read_eval_tables(ctx.run)
+    tables = orchestration.read_eval_tables(ctx.run)
     assert tables["headline"] and "token_acc_module" in tables["headline"][0]
     # identical second pass: all cache hits
     for stage in ("targets", "train", "evaluate"):
-        assert orchestrate.STAGE_RUNNERS[stage](ctx, False).status == "cached"
+        assert orchestration.STAGE_RUNNERS[stage](ctx, False).status == "cached"
         assert stage_status(ctx.run, stage)["state"] == "cached"
     # a changed training config re-runs train and, through its new outputs, evaluate
-    ctx2 = orchestrate.RunContext(ctx.run, load_config("tiny", overrides=["train.samples=300"]), ctx.text, ctx.info,
+    ctx2 = orchestration.RunContext(ctx.run, load_config("tiny", overrides=["train.samples=300"]), ctx.text, ctx.info,
                                   ctx.progress)
-    assert orchestrate.run_targets(ctx2).status == "cached"
-    assert orchestrate.run_train(ctx2).status == "done"
+    assert orchestration.run_targets(ctx2).status == "cached"
+    assert orchestration.run_train(ctx2).status == "done"
 
 
 def test_stage_before_its_inputs_is_refused(tmp_path, document):
     path = tmp_path / "doc.txt"
     path.write_text(document)
-    ctx = orchestrate.prepare_run(str(path), load_config("tiny"), str(tmp_path / "run"))
-    with pytest.raises(orchestrate.StageInputError, match="needs the outputs of 'verify'"):
-        orchestrate.run_targets(ctx)
+    ctx = orchestration.prepare_run(str(path), load_config("tiny"), str(tmp_path / "run"))
+    with pytest.raises(orchestration.StageInputError, match="needs the outputs of 'verify'"):
+        orchestration.run_targets(ctx)
 
 
 @pytest.mark.slow
 def test_sweep_variants_share_the_parent_data_stages(tiny_ctx):
     from nectar import sweep
 
-    orchestrate.run_targets(tiny_ctx)
+    orchestration.run_targets(tiny_ctx)
     variants = sweep.expand_variants(tiny_ctx.config, sweep.parse_grid(["arch=mlp,quadrature"]))
     assert [v.config.train.module.arch for v in variants] == ["mlp", "quadrature"]
     v = sweep.prepare_variant(tiny_ctx, variants[1])
-    reopened = orchestrate.open_run(v.run.root)
+    reopened = orchestration.open_run(v.run.root)
     assert reopened.stage_run("targets").root == tiny_ctx.run.root
-    assert orchestrate.run_train(reopened).status == "done"
+    assert orchestration.run_train(reopened).status == "done"
     row = sweep.comparison_row(variants[1], reopened.run)
     assert row["arch"] == "quadrature" and row["module_bytes"] > 0
     with pytest.raises(Exception, match="only"):
