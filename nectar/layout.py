@@ -115,5 +115,6 @@ def check_fits(layout: PromptLayout, max_query_tokens: int, window: int) -> None
         raise ContextTooLongError(
             f"document is {layout.n} tokens; with up to {max_query_tokens} query tokens that is {total}, "
             f"over the model's window of {window} tokens. Use a shorter document, a model with a longer "
-            "window, or enable RoPE scaling (model.yarn_factor, e.g. 4 for Qwen3)."
+            "window, or enable RoPE scaling (model.yarn_factor=F multiplies the window by F; Qwen3: "
+            "model.rope_scaling={rope_type: yarn, factor: 4, original_max_position_embeddings: 32768})."
         )

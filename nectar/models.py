@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .schemas.config import ModelConfig
+from .schemas.config import STATIC_ROPE_TYPES, ModelConfig
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_EMBEDDER = "embedded:all-minilm-l6-v2"
@@ -110,7 +110,7 @@ def embedder_path(name: str = EMBEDDED_EMBEDDER) -> str:
     return name
 
 
-def _tiny(kind: str) -> tuple[torch.nn.Module, object]:
+def _tiny(kind: str, rope: dict | None = None) -> tuple[torch.nn.Module, object]:
     from transformers import (AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM,
                               Qwen3Config, Qwen3ForCausalLM)
 
@@ -121,16 +121,66 @@ def _tiny(kind: str) -> tuple[torch.nn.Module, object]:
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
         tie_word_embeddings=True,
     )
-    torch.manual_seed(0)  # the tiny model is a function of its name alone
-    if kind == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**common))
-    elif kind == "qwen2":  # biased q/k/v projections, no q/k-norm
-        model = Qwen2ForCausalLM(Qwen2Config(**common))
-    elif kind == "qwen3":  # q/k-norm
-        model = Qwen3ForCausalLM(Qwen3Config(**common))
-    else:
+    families = {"llama": (LlamaConfig, LlamaForCausalLM),
+                "qwen2": (Qwen2Config, Qwen2ForCausalLM),  # biased q/k/v projections, no q/k-norm
+                "qwen3": (Qwen3Config, Qwen3ForCausalLM)}  # q/k-norm
+    if kind not in families:
         raise ModelLoadError(f"unknown tiny model tiny:{kind}; use tiny:llama, tiny:qwen2 or tiny:qwen3")
-    return model.float().eval(), tok
+    config_cls, model_cls = families[kind]
+    config = config_cls(**common)
+    if rope is not None:  # before the model is built: its rotary embedding reads the config once
+        apply_rope_scaling(config, rope)
+    torch.manual_seed(0)  # the tiny model is a function of its name (and RoPE settings) alone
+    return model_cls(config).float().eval(), tok
+
+
+def requested_rope_scaling(cfg: ModelConfig) -> dict | None:
+    """The RoPE scaling a run asks for: ``model.rope_scaling``, or ``model.yarn_factor`` as YaRN."""
+    if cfg.rope_scaling is not None:
+        return dict(cfg.rope_scaling)
+    if cfg.yarn_factor:
+        return {"rope_type": "yarn", "factor": float(cfg.yarn_factor)}
+    return None
+
+
+def apply_rope_scaling(hf_config, scaling: dict) -> None:
+    """Merge ``scaling`` into transformers 5's ``config.rope_parameters`` in place.
+
+    transformers 5 keeps rope_theta (and partial_rotary_factor) inside ``rope_parameters``, which
+    ``config.rope_scaling`` aliases: assigning a fresh dict there dropped rope_theta and YaRN died
+    with ``None ** Tensor``. So the model's own base parameters are kept and the request goes on top;
+    ``original_max_position_embeddings`` defaults to the model's own (or its config's window), and
+    ``max_position_embeddings`` becomes original x factor: the window the pipeline checks documents against.
+    """
+    scaling = dict(scaling)
+    rope_type = scaling.pop("type", None) or scaling.pop("rope_type", None)
+    if rope_type not in STATIC_ROPE_TYPES:
+        raise ModelLoadError(
+            f"model.rope_scaling: rope_type {rope_type!r} is not supported; use one of {list(STATIC_ROPE_TYPES)} "
+            "(the document KV is computed once, so the rotation must not depend on the sequence length)")
+    factor = scaling.get("factor")
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor < 1:
+        raise ModelLoadError(f"model.rope_scaling: factor must be a number >= 1, got {factor!r}")
+    own = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if hf_config.nested_rope_parameter_keys(own):
+        raise ModelLoadError("model.rope_scaling: this model has per-layer-type RoPE parameters, which "
+                             "model.rope_scaling does not set; edit the model's config.json instead")
+    params = {k: own[k] for k in ("rope_theta", "partial_rotary_factor", "original_max_position_embeddings")
+              if k in own}
+    params.update(scaling, rope_type=rope_type)
+    if rope_type in ("yarn", "llama3"):
+        params.setdefault("original_max_position_embeddings", hf_config.max_position_embeddings)
+    hf_config.rope_parameters = params
+    # The scaled window, as transformers (and vLLM's --max-model-len) read it: original x factor.
+    original = params.get("original_max_position_embeddings") or hf_config.max_position_embeddings
+    hf_config.max_position_embeddings = int(original * float(factor))
+    try:
+        hf_config.standardize_rope_params()
+        hf_config.validate_rope()
+    except (KeyError, ValueError, TypeError) as exc:
+        raise ModelLoadError(f"model.rope_scaling {params}: {exc}") from None
+
+
 
 
 def _weights_fingerprint(model: torch.nn.Module, name: str) -> str:
@@ -153,23 +203,22 @@ def load_base_model(cfg: ModelConfig) -> BaseModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dtype = getattr(torch, cfg.dtype)
+    rope = requested_rope_scaling(cfg)
     if cfg.name.startswith("tiny:"):
-        model, tok = _tiny(cfg.name.split(":", 1)[1])
+        model, tok = _tiny(cfg.name.split(":", 1)[1], rope)
         model = model.to(dtype)
     else:
         path = embedded_smollm2_dir() if cfg.name == "embedded:smollm2-135m" else cfg.name
         if cfg.name.startswith("embedded:") and cfg.name != "embedded:smollm2-135m":
             raise ModelLoadError(f"unknown embedded model {cfg.name!r}; only embedded:smollm2-135m ships")
         kwargs = {}
-        if cfg.yarn_factor:
-            from transformers import AutoConfig
-
-            hf_cfg = AutoConfig.from_pretrained(path)
-            orig = hf_cfg.max_position_embeddings
-            hf_cfg.rope_scaling = {"rope_type": "yarn", "factor": cfg.yarn_factor,
-                                   "original_max_position_embeddings": orig}
-            kwargs["config"] = hf_cfg
         try:
+            if rope is not None:
+                from transformers import AutoConfig
+
+                hf_cfg = AutoConfig.from_pretrained(path)
+                apply_rope_scaling(hf_cfg, rope)
+                kwargs["config"] = hf_cfg
             tok = AutoTokenizer.from_pretrained(path)
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
         except OSError as exc:
@@ -180,7 +229,7 @@ def load_base_model(cfg: ModelConfig) -> BaseModel:
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     c = model.config
-    window = cfg.max_context_tokens or int(c.max_position_embeddings * (cfg.yarn_factor or 1))
+    window = cfg.max_context_tokens or int(c.max_position_embeddings)  # scaled by apply_rope_scaling
     return BaseModel(
         model=model, tokenizer=tok, name=cfg.name, weights_hash=_weights_fingerprint(model, cfg.name),
         num_layers=c.num_hidden_layers, num_q_heads=c.num_attention_heads,

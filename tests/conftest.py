@@ -35,6 +35,27 @@ def tiny_qwen3():
     return load_base_model(ModelConfig(name="tiny:qwen3", device="cpu"))
 
 
+# The paper's Qwen3 setting (YaRN x4 over a 32,768-token pretraining window, paper §4.1) and the
+# shorthand model.yarn_factor: RoPE-scaled tiny models for the oracle and capture checks.
+PAPER_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_yarn():
+    from nectar.models import load_base_model
+    from nectar.schemas import ModelConfig
+
+    return load_base_model(ModelConfig(name="tiny:llama", device="cpu", yarn_factor=2.0))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_yarn():
+    from nectar.models import load_base_model
+    from nectar.schemas import ModelConfig
+
+    return load_base_model(ModelConfig(name="tiny:qwen3", device="cpu", rope_scaling=PAPER_YARN))
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     from nectar.models import load_base_model

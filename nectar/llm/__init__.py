@@ -25,7 +25,7 @@ def make_backend(llm_cfg: LLMConfig, base_model_cfg: ModelConfig) -> ChatBackend
         if llm_cfg.model is not None and llm_cfg.model != base_model_cfg.name:
             # Another local model (e.g. a longer-context answerer) on the same device and dtype.
             model_cfg = base_model_cfg.model_copy(update={"name": llm_cfg.model, "yarn_factor": None,
-                                                          "max_context_tokens": None})
+                                                          "rope_scaling": None, "max_context_tokens": None})
         return LocalBackend(load_base_model(model_cfg), batch_size=llm_cfg.batch_size)
     if llm_cfg.backend == "openai":
         from .openai_backend import OpenAIBackend, api_key_from_env

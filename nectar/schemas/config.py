@@ -5,7 +5,7 @@ Every stage function takes its own config plus flat arguments; nothing here is s
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -16,20 +16,48 @@ TASK_TYPES: tuple[TaskType, ...] = ("qa", "summarization", "quoting", "paraphras
 STAGES: tuple[str, ...] = ("chunk", "synthesize", "verify", "targets", "train", "evaluate")
 
 
+# RoPE types whose rotation is fixed per position. ``dynamic`` and ``longrope`` change the
+# frequencies with the length of the sequence in the forward, so a document KV computed once (and
+# query-only forwards at positions n…) would be rotated differently from a full forward.
+STATIC_ROPE_TYPES: tuple[str, ...] = ("linear", "yarn", "llama3")
+
+
 class ModelConfig(FrozenConfig):
     """The frozen base model. ``name`` is ``embedded:smollm2-135m``, ``tiny:llama``/``tiny:qwen2``/``tiny:qwen3``
     (random weights built in-process, for tests), an HF model id or a local directory."""
 
     name: str = "embedded:smollm2-135m"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    # YaRN factor applied identically everywhere the model is loaded (paper §4.1: x4 for Qwen3).
-    yarn_factor: float | None = None
+    # YaRN factor applied identically everywhere the model is loaded (paper §4.1: x4 for Qwen3);
+    # shorthand for rope_scaling {rope_type: yarn, factor: F} over the model's own window.
+    yarn_factor: float | None = Field(None, ge=1.0)
+    # RoPE scaling merged into the model's own RoPE parameters (its rope_theta is kept), e.g.
+    # {rope_type: yarn, factor: 4, original_max_position_embeddings: 32768} for Qwen3. Static types
+    # only (yarn, linear, llama3): the document KV is computed once, so the rotation can't depend on
+    # the sequence length (dynamic, longrope). See nectar/models.py ``apply_rope_scaling``.
+    rope_scaling: dict[str, Any] | None = None
     # Refuse documents + query longer than this many tokens (default: the model's trained window,
-    # times yarn_factor when set).
+    # scaled by the RoPE factor when set).
     max_context_tokens: int | None = None
     device: str = resource("auto")
     # "auto": flash-attn on CUDA when installed, else torch's fused kernel on CUDA, else exact torch math.
     attention_backend: Literal["auto", "torch", "fused", "flash"] = resource("auto")
+
+    @model_validator(mode="after")
+    def _one_rope_setting(self) -> "ModelConfig":
+        if self.yarn_factor is not None and self.rope_scaling is not None:
+            raise ValueError("set model.yarn_factor or model.rope_scaling, not both "
+                             "(yarn_factor F is rope_scaling {rope_type: yarn, factor: F})")
+        if self.rope_scaling is not None:
+            rope_type = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            if rope_type not in STATIC_ROPE_TYPES:
+                raise ValueError(f"rope_scaling.rope_type {rope_type!r} is not supported; use one of "
+                                 f"{list(STATIC_ROPE_TYPES)} (the document KV is computed once, so the "
+                                 "rotation must not depend on the sequence length)")
+            factor = self.rope_scaling.get("factor")
+            if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor < 1:
+                raise ValueError(f"rope_scaling.factor must be a number >= 1, got {factor!r}")
+        return self
 
 
 class LLMConfig(FrozenConfig):

@@ -32,6 +32,99 @@ def test_exact_provider_reproduces_full_forward_tiny(fixture, request, document)
     _check_oracle(request.getfixturevalue(fixture), document, atol=1e-4)
 
 
+@pytest.mark.parametrize("fixture", ["tiny_llama_yarn", "tiny_qwen3_yarn"])
+def test_exact_provider_reproduces_full_forward_with_rope_scaling(fixture, request, document, tiny_llama):
+    """RoPE scaling on (model.yarn_factor; the paper's YaRN x4 for Qwen3): the query-only forward at
+    positions n… with the exact document state still equals the ordinary full forward."""
+    base = request.getfixturevalue(fixture)
+    layout, kv = _check_oracle(base, document, atol=1e-4)
+    if fixture == "tiny_llama_yarn":  # same weights, unscaled: the scaling must change the outputs
+        p = layout.pair("Who bought the island?", "Captain Ilse Brandt bought it.")
+        ids = torch.tensor([p.ids])
+        with torch.no_grad():
+            scaled = query_logits(base, ExactDocState(kv), ids, layout.n)
+            plain = query_logits(tiny_llama, ExactDocState(prefill_document(tiny_llama, layout.context_ids)),
+                                 ids, layout.n)
+        assert (scaled - plain).abs().max() > 1e-3
+
+
+class _RecordingProvider:
+    """Wraps a provider and keeps the rotated queries it is asked about at layer 0."""
+
+    def __init__(self, inner):
+        self.inner, self.q0 = inner, []
+
+    def __call__(self, layer, q, scaling):
+        if layer == 0:
+            self.q0.append(q.detach().clone())
+        return self.inner(layer, q, scaling) if self.inner is not None else None
+
+
+def _full_forward_q0(base, layout, ids):
+    """Layer-0 rotated queries of the ordinary full forward (document + pair), at the pair's positions."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    attn = base.model.model.layers[0].self_attn
+    seen = {}
+    hook = attn.register_forward_pre_hook(lambda m, a, kw: seen.update(kw), with_kwargs=True)
+    with torch.no_grad():
+        base.model(torch.tensor([list(layout.context_ids) + ids]))
+    hook.remove()
+    hs = seen["hidden_states"]
+    q = attn.q_proj(hs).view(1, hs.shape[1], -1, base.head_dim)
+    if hasattr(attn, "q_norm"):
+        q = attn.q_norm(q)
+    cos, sin = seen["position_embeddings"]
+    q, _ = apply_rotary_pos_emb(q.transpose(1, 2), q.transpose(1, 2), cos, sin)
+    return q[:, :, layout.n:]  # [1, hq, m, d]
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama_yarn", "tiny_qwen3_yarn"])
+def test_module_and_full_context_paths_rotate_queries_identically(fixture, request, document):
+    """Every path that runs query tokens — capture (targets), teacher forcing with the module
+    (training, evaluation), with the exact document (full-context reference), and generation with
+    the module (prompt prefill, then decode steps) — hands the provider the same scaled-RoPE queries
+    as the ordinary full forward rotates at those positions."""
+    from nectar.modules.builder import build_module, plan_from_config
+    from nectar.modules.provider import ModuleDocState
+    from nectar.schemas.config import ModuleConfig
+    from nectar.targets.capture import capture_packed
+
+    base = request.getfixturevalue(fixture)
+    layout = build_layout(base.tokenizer, document)
+    kv = prefill_document(base, layout.context_ids)
+    pair = layout.pair("Who bought the island?", "Captain Ilse Brandt bought it.")
+    ref = _full_forward_q0(base, layout, pair.ids)  # [1, hq, m, d]
+    plan = plan_from_config(ModuleConfig(rho=0.25, depths=(0, 2, 2)), base.num_layers, base.num_kv_heads,
+                            base.head_dim, layout.n, base.scaling)
+    module = ModuleDocState(build_module(plan, None, None, seed=0))
+
+    exact = _RecordingProvider(ExactDocState(kv))
+    capture_packed(base, exact, [pair.ids], layout.n, top_k=4)
+    paths = {"capture": exact.q0[0]}
+    for name, inner in (("module", module), ("full", ExactDocState(kv))):
+        rec = _RecordingProvider(inner)
+        with torch.no_grad():
+            query_logits(base, rec, torch.tensor([pair.ids]), layout.n)
+        paths[name] = rec.q0[0]
+    rec = _RecordingProvider(module)
+    prompt = pair.ids[: pair.response_start]
+    generate(base, rec, layout.n, [prompt], max_new_tokens=3, stop_ids=())
+    paths["generate_prompt"] = rec.q0[0]
+    for name, q in paths.items():
+        got = q[..., : q.shape[2], :] if name != "generate_prompt" else q
+        want = ref[:, :, : got.shape[2]]
+        assert torch.allclose(got, want, atol=1e-5), (name, (got - want).abs().max())
+    # decode steps: one query each, at positions n + len(prompt), n + len(prompt) + 1
+    steps = rec.q0[1:]
+    assert len(steps) == 2 and all(s.shape[2] == 1 for s in steps)
+    gen_ids = prompt + []
+    logits = query_logits(base, module, torch.tensor([prompt]), layout.n)[0, -1]
+    gen_ids.append(int(logits.argmax()))
+    ref_gen = _full_forward_q0(base, layout, gen_ids)
+    assert torch.allclose(steps[0], ref_gen[:, :, -1:], atol=1e-5)
+
+
 @pytest.mark.slow
 def test_exact_provider_reproduces_full_forward_smollm2(smollm2, document):
     _check_oracle(smollm2, document, atol=2e-3)

@@ -57,9 +57,9 @@ def _independent_alpha_A(base, layout, ids, layer):
     return torch.logsumexp(logits, -1)[0].T, (torch.softmax(logits, -1) @ v)[0].transpose(0, 1), q[0, :, layout.n:].transpose(0, 1)
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2", "tiny_qwen3"])
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_qwen3_yarn"])
 def test_targets_match_independent_computation_and_validate(fixture, request, document, tmp_path):
-    base = request.getfixturevalue(fixture)  # every supported family, same checks
+    base = request.getfixturevalue(fixture)  # every supported family (and the paper's YaRN x4), same checks
     layout = build_layout(base.tokenizer, document)
     kv = prefill_document(base, layout.context_ids)
     cfg = TargetsConfig(top_k=4, chunk_tokens=8, shard_tokens=32, batch_size=2)
