@@ -98,19 +98,28 @@ def _train_log(ctx: RunContext) -> list:
 
 def run_targets(ctx: RunContext, force: bool = False) -> StageOutcome:
     from ..layout import build_layout, check_fits
-    from ..stages.targets import build_targets
+    from ..stages.targets import build_targets, plan_pairs, targets_size
+    from ..targets.size import check_budget
 
     inputs = _upstream_outputs(ctx, "targets")
 
     def body(url: str):
         base = load_base(ctx.config)
+        cfg = ctx.config.targets
         layout = build_layout(base.tokenizer, ctx.text)
-        check_fits(layout, ctx.config.targets.max_query_tokens, base.max_context_tokens)
+        check_fits(layout, cfg.max_query_tokens, base.max_context_tokens)
         rows = read_table(ctx.run.url("verify", "dataset.parquet"), DatasetRow)
+        # The size of the outputs, before the document prefill or any capture: refused over max_bytes.
+        planned = plan_pairs(rows, layout, cfg)
+        size = targets_size(planned, base, cfg)
+        print(f"targets: {size.describe()}", flush=True)
+        check_budget(size, cfg.max_bytes)
         doc_kv = _document_kv(ctx, base, layout, f"{url}/doc_kv.safetensors")
-        counts = build_targets(base, layout, doc_kv, rows, ctx.config.targets, url, ctx.info.sha256,
-                               backend=ctx.config.model.attention_backend, progress=ctx.progress("targets"))
-        counts["doc_kv_bytes"] = doc_kv.nbytes()
+        counts = build_targets(base, layout, doc_kv, rows, cfg, url, ctx.info.sha256,
+                               backend=ctx.config.model.attention_backend, progress=ctx.progress("targets"),
+                               planned=planned)
+        counts.update(doc_kv_bytes=doc_kv.nbytes(), estimated_bytes=size.total,
+                      bytes_written=_bytes_under(f"{url}/targets.zarr"))
         return ["targets.zarr", "pairs.parquet", "doc_kv.safetensors"], counts
 
     return run_stage(ctx.run, "targets", _stage_config(ctx, "targets"), inputs, body, force)
@@ -189,6 +198,13 @@ def plan_stages(from_stage: str | None, only_stage: str | None, force: bool) -> 
     start = STAGES.index(from_stage) if from_stage else 0
     # Stages before --from still run: they are cache hits when complete, and redone if not.
     return [(s, force or (from_stage is not None and i >= start)) for i, s in enumerate(STAGES) if s in avail]
+
+
+def _bytes_under(url: str) -> int:
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(url)
+    return int(fs.du(path))
 
 
 def _document_kv(ctx: RunContext, base, layout, kv_url: str):

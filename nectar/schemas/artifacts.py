@@ -114,7 +114,9 @@ class TargetsHeader(Artifact):
     """Attributes of ``targets/targets.zarr``.
 
     Arrays (token-major, T = total query tokens over all pairs; P = pairs):
-      q [T, L, Hq, d], alpha [T, L, Hq], A [T, L, Hq, d]    (dtype = ``dtype``)
+      q [T, L, Hq, d], A [T, L, Hq, d] in ``dtype`` (bfloat16: stored as a uint16 view, zarr has no
+        bf16), alpha [T, L, Hq] float32 (float16 in stores written before bfloat16 existed);
+        absent with ``mode`` "online" (training recomputes them from the document KV)
       topk_ids [T, K] int32, topk_logprobs [T, K] float32  (teacher's next-token top-K at t; with
         topk_scope "kl_positions" only where token t+1 is a response token — the positions the
         KL loss reads — and zeros elsewhere)
@@ -134,11 +136,12 @@ class TargetsHeader(Artifact):
     head_dim: int
     scaling: float
     top_k: int
-    dtype: Literal["float32", "float16"]
+    dtype: Literal["float32", "float16", "bfloat16"]
     n_pairs: int
     n_tokens: int
     split_pairs: dict[str, int]
     topk_scope: Literal["all", "kl_positions"] = "all"
+    mode: Literal["cached", "online"] = "cached"
     complete: bool = False
 
 

@@ -117,8 +117,16 @@ class VerifyConfig(FrozenConfig):
 
 class TargetsConfig(FrozenConfig):
     top_k: int = 32
-    dtype: Literal["float32", "float16"] = "float32"
+    # Storage of q and A (α stays float32): bfloat16 is kept as a uint16 view (zarr has no bf16).
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    # "online": q, α, A are not stored; training recomputes them from the document KV each step
+    # (docs/artifacts.md). The stage then writes token ids, positions, masks and the teacher's top-K.
+    mode: Literal["cached", "online"] = "cached"
     max_query_tokens: int = 512
+    # Keep at most this many pairs (a fixed pseudo-random subset by pair id), e.g. to fit max_bytes.
+    max_pairs: int | None = Field(None, ge=1)
+    # The stage refuses to start when its estimated output is larger (bytes).
+    max_bytes: int = resource(100 * 10**9, ge=0)
     splits: tuple[str, ...] = ("train", "test")
     chunk_tokens: int = 64  # zarr chunk along the token axis (random reads of batches)
     shard_tokens: int = 2048  # zarr shard along the token axis (one write unit)

@@ -3,10 +3,13 @@
 The document KV is prefilled once (and saved beside the targets for later stages); batches of pairs
 then run query-only forwards with the exact document provider. Writes are buffered to whole shards;
 ``written_tokens`` in the group attributes records progress, so a killed run resumes from the last
-completed shard instead of starting over.
+completed shard instead of starting over. Before any of that, ``targets_size`` estimates the bytes
+the group will take and ``check_budget`` refuses a run over ``targets.max_bytes``. With
+``targets.mode: online`` only token ids, positions, masks and the teacher's top-K are written.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -22,7 +25,8 @@ from ..schemas.artifacts import DatasetRow, TargetsHeader, TargetsPairRow
 from ..schemas.config import TargetsConfig
 from ..tables import write_table
 from ..targets.capture import capture_packed
-from ..targets.store import create_targets, open_targets
+from ..targets.size import TargetsSize, check_budget
+from ..targets.store import SPLIT_NAMES_KEY, create_targets, encode_values, open_targets
 
 Progress = Callable[[int, int], None]
 
@@ -38,8 +42,12 @@ class PlannedPair:
 
 
 def plan_pairs(rows: list[DatasetRow], layout: PromptLayout, cfg: TargetsConfig) -> list[PlannedPair]:
-    """Tokenize kept pairs of the configured splits, train first; truncate to max_query_tokens."""
+    """Tokenize kept pairs of the configured splits, train first; truncate to max_query_tokens.
+    With ``max_pairs``, a fixed pseudo-random subset (by the hash of the pair id: every split keeps
+    about its share, and raising the cap only adds pairs)."""
     kept = [r for r in rows if r.kept and r.split in cfg.splits]
+    if cfg.max_pairs is not None and len(kept) > cfg.max_pairs:
+        kept = sorted(kept, key=lambda r: hashlib.sha256(r.pair_id.encode()).hexdigest())[: cfg.max_pairs]
     tokens = {r.pair_id: layout.pair(r.instruction, r.response) for r in kept}
     # Train first; within a split by length (stable, reproducible order).
     kept.sort(key=lambda r: (r.split != "train", len(tokens[r.pair_id].ids), r.pair_id))
@@ -65,10 +73,12 @@ def build_targets(
     doc_sha256: str,
     backend: str = "auto",
     progress: Progress | None = None,
+    planned: list[PlannedPair] | None = None,  # plan_pairs(rows, layout, cfg), when already made
 ) -> dict:
-    planned = plan_pairs(rows, layout, cfg)
+    planned = plan_pairs(rows, layout, cfg) if planned is None else planned
     if not planned:
         raise TargetsInputError("the dataset has no kept train/test pairs; nothing to cache (check verify)")
+    check_budget(targets_size(planned, base, cfg), cfg.max_bytes)
     header = _header(base, layout, cfg, planned, doc_sha256)
     zurl = f"{out_url}/targets.zarr"
     g = _open_or_create(zurl, header, cfg)
@@ -80,17 +90,28 @@ def build_targets(
     shard = g["token_ids"].shards[0]  # the array's own shard (shard_tokens rounded to whole chunks)
     with _ShardWriter(g, shard, written, offsets[first], background=_spare_core(base.device)) as writer:
         for batch in batch_plan(planned[first:], cfg.batch_size, cfg.batch_tokens):
-            writer.add(_capture(base, provider, batch, layout.n, cfg.top_k))
+            writer.add(_capture(base, provider, batch, layout.n, cfg.top_k, cfg.dtype, cfg.mode == "cached"))
             done += len(batch)
             if progress:
                 progress(done, len(planned))
         writer.flush()
     g["pair_offsets"][:] = offsets
-    g["pair_split"][:] = np.array([0 if p.row.split == "train" else 1 for p in planned], dtype=np.int8)
+    # Split codes index the split_names attribute (train 0 and test 1 as before; any other after).
+    names = list(dict.fromkeys(["train", "test", *(p.row.split for p in planned)]))
+    g["pair_split"][:] = np.array([names.index(p.row.split) for p in planned], dtype=np.int8)
+    g.attrs[SPLIT_NAMES_KEY] = names
     g.attrs["nectar_targets"] = header.model_copy(update={"complete": True}).model_dump(mode="json")
     write_table(f"{out_url}/pairs.parquet", [p.row for p in planned], TargetsPairRow)
     return {"pairs": len(planned), "tokens": header.n_tokens, "truncated": sum(p.row.truncated for p in planned),
             **{f"pairs_{k}": v for k, v in header.split_pairs.items()}}
+
+
+def targets_size(planned: list[PlannedPair], base: BaseModel, cfg: TargetsConfig) -> TargetsSize:
+    """What the group for these pairs will take on disk (see nectar/targets/size.py)."""
+    return TargetsSize(n_pairs=len(planned), n_tokens=sum(p.row.length for p in planned),
+                       num_layers=base.num_layers, num_q_heads=base.num_q_heads, head_dim=base.head_dim,
+                       top_k=cfg.top_k, dtype=cfg.dtype, mode=cfg.mode, chunk_tokens=cfg.chunk_tokens,
+                       shard_tokens=cfg.shard_tokens)
 
 
 def batch_plan(planned: list[PlannedPair], batch_size: int, batch_tokens: int) -> list[list[PlannedPair]]:
@@ -120,7 +141,7 @@ def _header(base, layout, cfg, planned, doc_sha256) -> TargetsHeader:
         model=base.name, model_hash=base.weights_hash, doc_sha256=doc_sha256, n_context=layout.n,
         num_layers=base.num_layers, num_q_heads=base.num_q_heads, num_kv_heads=base.num_kv_heads,
         head_dim=base.head_dim, scaling=base.scaling, top_k=cfg.top_k, topk_scope="kl_positions", dtype=cfg.dtype,
-        n_pairs=len(planned), n_tokens=sum(p.row.length for p in planned), split_pairs=splits)
+        n_pairs=len(planned), n_tokens=sum(p.row.length for p in planned), split_pairs=splits, mode=cfg.mode)
 
 
 def _open_or_create(zurl: str, header: TargetsHeader, cfg: TargetsConfig):
@@ -134,8 +155,10 @@ def _open_or_create(zurl: str, header: TargetsHeader, cfg: TargetsConfig):
     return create_targets(zurl, header, cfg.chunk_tokens, cfg.shard_tokens)
 
 
-def _capture(base, provider, batch: list[PlannedPair], n: int, top_k: int) -> dict[str, np.ndarray]:
-    """Run one packed batch; return its token-major rows (pairs back to back, as stored)."""
+def _capture(base, provider, batch: list[PlannedPair], n: int, top_k: int, dtype: str = "float32",
+             record: bool = True) -> dict[str, np.ndarray]:
+    """Run one packed batch; return its token-major rows (pairs back to back, as stored: q and A in
+    the storage dtype; without q, α, A when not ``record``)."""
     kl_rows = np.zeros(sum(len(p.ids) for p in batch), dtype=bool)
     start = 0
     for p in batch:
@@ -143,9 +166,11 @@ def _capture(base, provider, batch: list[PlannedPair], n: int, top_k: int) -> di
         kl_rows[start + max(p.row.response_start - 1, 0): start + len(p.ids) - 1] = True
         start += len(p.ids)
     cap = capture_packed(base, provider, [p.ids for p in batch], n, top_k,
-                         logit_rows=torch.from_numpy(kl_rows).to(base.device))
+                         logit_rows=torch.from_numpy(kl_rows).to(base.device), record=record)
+    values = {"q": encode_values(cap.q, dtype), "alpha": encode_values(cap.alpha, "float32"),
+              "A": encode_values(cap.A, dtype)} if record else {}
     return {
-        "q": cap.q.cpu().numpy(), "alpha": cap.alpha.cpu().numpy(), "A": cap.A.cpu().numpy(),
+        **values,
         "topk_ids": cap.topk_ids.cpu().numpy(), "topk_logprobs": cap.topk_logprobs.cpu().numpy(),
         "token_ids": np.concatenate([np.asarray(p.ids, dtype=np.int32) for p in batch]),
         "positions": np.concatenate([np.arange(n, n + len(p.ids), dtype=np.int32) for p in batch]),

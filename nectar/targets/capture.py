@@ -26,9 +26,9 @@ HEAD_ROWS = 128
 
 @dataclass
 class CapturedRows:
-    q: torch.Tensor  # [T, L, hq, d] float32
-    alpha: torch.Tensor  # [T, L, hq]
-    A: torch.Tensor  # [T, L, hq, d]
+    q: torch.Tensor | None  # [T, L, hq, d] float32 (None when not recorded)
+    alpha: torch.Tensor | None  # [T, L, hq]
+    A: torch.Tensor | None  # [T, L, hq, d]
     topk_ids: torch.Tensor  # [T, K] int32 (zeros outside logit_rows)
     topk_logprobs: torch.Tensor  # [T, K] float32 (zeros outside logit_rows)
     logits: torch.Tensor | None = None  # [T, V] (only when asked; tests use it)
@@ -76,13 +76,15 @@ def capture_packed(
     top_k: int,
     logit_rows: torch.Tensor | None = None,  # [T] bool: rows that need the teacher's top-K
     keep_logits: bool = False,
+    record: bool = True,
 ) -> CapturedRows:
     """``logit_rows`` = None computes the top-K at every token; otherwise the LM head runs only on
     those rows (the KL loss reads the top-K only where the next token is a response token, and the
-    head is ~15% of the capture's FLOPs) and the other rows of the top-K are zeros."""
+    head is ~15% of the capture's FLOPs) and the other rows of the top-K are zeros. ``record`` =
+    False skips q, α, A (online targets store only the teacher's top-K)."""
     ids, positions, segments = pack(sequences, n, base.device)
     t = ids.shape[1]
-    rec = _Recorder(base.num_layers)
+    rec = _Recorder(base.num_layers) if record else None
     with nectar_attention(base.model, provider, recorder=rec, segments=segments):
         hidden = base.model.get_decoder()(input_ids=ids, position_ids=positions,
                                           use_cache=False).last_hidden_state[0]  # [T, H]
@@ -95,8 +97,8 @@ def capture_packed(
     if keep_logits:
         full_logits = torch.zeros((t, logits.shape[-1]), dtype=logits.dtype, device=logits.device)
         full_logits[rows] = logits
-    return CapturedRows(q=rec.q, alpha=rec.alpha, A=rec.A, topk_ids=top_ids, topk_logprobs=top_lp,
-                        logits=full_logits)
+    return CapturedRows(q=rec.q if rec else None, alpha=rec.alpha if rec else None, A=rec.A if rec else None,
+                        topk_ids=top_ids, topk_logprobs=top_lp, logits=full_logits)
 
 
 def _head_topk(base: BaseModel, hidden: torch.Tensor, top_k: int, keep_logits: bool):

@@ -1,11 +1,15 @@
 """The targets Zarr v3 group: token-major arrays, chunked for batch reads, sharded for writes.
 
-Layout and header: see ``TargetsHeader`` in nectar/schemas/artifacts.py. bf16 has no zarr dtype, so
-values are stored as float32 (default) or float16 and read back as float32.
+Layout and header: see ``TargetsHeader`` in nectar/schemas/artifacts.py. q and A are stored as
+float32 (default), float16, or bfloat16 — which zarr lacks, so as a uint16 view of the bf16 bits
+with the array attribute ``nectar_view: bfloat16`` — and read back as float32 (``decode_values``).
+α stays float32: it is the log of the document's attention mass, and bf16's 8-bit mantissa would
+round a typical α of 20–40 by up to 0.125, a 13 % error in the merge weight.
 """
 from __future__ import annotations
 
 import numpy as np
+import torch
 import zarr
 from pydantic import ValidationError
 
@@ -13,6 +17,39 @@ from ..schemas.artifacts import TargetsHeader
 from ..tables import ArtifactError
 
 HEADER_KEY = "nectar_targets"
+VALUE_ARRAYS = ("q", "alpha", "A")  # the per-(layer, head) targets; absent from "online" groups
+VIEW_KEY = "nectar_view"  # array attribute: the real dtype of a uint16 view
+# Storage dtype of q and A per TargetsConfig.dtype (zarr has no bf16: its bits as uint16).
+STORAGE_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "uint16"}
+SPLIT_NAMES_KEY = "split_names"  # group attribute: pair_split codes index this list
+DEFAULT_SPLIT_NAMES = ("train", "test")  # groups written before the attribute existed
+
+
+def value_storage(name: str, dtype: str) -> str:
+    """The zarr dtype array ``name`` is stored in for a group of header dtype ``dtype``."""
+    return "float32" if name == "alpha" else STORAGE_DTYPES[dtype]
+
+
+def encode_values(x: torch.Tensor, dtype: str) -> np.ndarray:
+    """float tensor → host array in the storage dtype (converted on x's device: half the copy)."""
+    if dtype == "bfloat16":
+        return x.to(torch.bfloat16).view(torch.int16).cpu().numpy().view(np.uint16)
+    return x.to(getattr(torch, dtype)).cpu().numpy()
+
+
+def decode_values(a: np.ndarray, view: str | None = None) -> np.ndarray:
+    """A stored block → float32 (a bf16 view is widened bit-exactly: bf16 is float32's top half)."""
+    if view == "bfloat16":
+        return (np.asarray(a, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return np.asarray(a, dtype=np.float32)
+
+
+def array_view(g: zarr.Group, name: str) -> str | None:
+    return g[name].attrs.get(VIEW_KEY)
+
+
+def split_names(g: zarr.Group) -> tuple[str, ...]:
+    return tuple(g.attrs.get(SPLIT_NAMES_KEY, DEFAULT_SPLIT_NAMES))
 
 
 def open_store(url: str):
@@ -33,16 +70,20 @@ def create_targets(url: str, header: TargetsHeader, chunk_tokens: int, shard_tok
 
     def arr(name, shape, dtype, tail_chunks):
         # Float targets are near-incompressible (zstd saved 7%) yet compressing them took a third
-        # of the stage's time on CPU, so they are stored raw; integer/bool arrays keep zstd.
-        raw = np.dtype(dtype).kind == "f"
+        # of the stage's time on CPU, so they are stored raw (bf16 bits too); integer/bool arrays keep zstd.
+        raw = np.dtype(dtype).kind == "f" or name in VALUE_ARRAYS
         # Every chunk is written once, whole: skip zarr's scan of each chunk for all-fill values.
         g.create_array(name, shape=shape, dtype=dtype, chunks=(chunk_tokens, *tail_chunks),
                        shards=(shard, *tail_chunks), fill_value=0,
                        compressors=None if raw else "auto", config={"write_empty_chunks": True})
 
-    arr("q", (T, L, H, d), vdt, (L, H, d))
-    arr("A", (T, L, H, d), vdt, (L, H, d))
-    arr("alpha", (T, L, H), vdt, (L, H))
+    if header.mode == "cached":
+        arr("q", (T, L, H, d), value_storage("q", vdt), (L, H, d))
+        arr("A", (T, L, H, d), value_storage("A", vdt), (L, H, d))
+        arr("alpha", (T, L, H), value_storage("alpha", vdt), (L, H))
+        if vdt == "bfloat16":
+            for name in ("q", "A"):
+                g[name].attrs[VIEW_KEY] = "bfloat16"
     arr("topk_ids", (T, K), "int32", (K,))
     arr("topk_logprobs", (T, K), "float32", (K,))
     arr("token_ids", (T,), "int32", ())
@@ -71,10 +112,6 @@ def open_targets(url: str, mode: str = "r") -> tuple[zarr.Group, TargetsHeader]:
     return g, header
 
 
-def read_tokens(g: zarr.Group, start: int, stop: int, names=("q", "alpha", "A")) -> dict[str, np.ndarray]:
+def read_tokens(g: zarr.Group, start: int, stop: int, names=VALUE_ARRAYS) -> dict[str, np.ndarray]:
     """Rows [start, stop) of the named arrays, values as float32."""
-    out = {}
-    for name in names:
-        a = g[name][start:stop]
-        out[name] = a.astype(np.float32) if a.dtype == np.float16 else a
-    return out
+    return {name: decode_values(g[name][start:stop], array_view(g, name)) for name in names}
