@@ -131,9 +131,14 @@ def run_train(ctx: RunContext, force: bool = False) -> StageOutcome:
     inputs = _upstream_outputs(ctx, "train")
 
     def body(url: str):
+        from ..stages.train import targets_zarr_url
+        from ..targets.store import open_targets
+
         base = load_base(ctx.config)
-        doc_kv = load_run_doc_kv(ctx) if ctx.config.train.module.arch == "quadrature" else None
-        counts = train(ctx.stage_run("targets").url("targets"), ctx.config.train, base, doc_kv, url,
+        targets = ctx.stage_run("targets").url("targets")
+        online = open_targets(targets_zarr_url(targets))[1].mode == "online"
+        doc_kv = load_run_doc_kv(ctx) if ctx.config.train.module.arch == "quadrature" or online else None
+        counts = train(targets, ctx.config.train, base, doc_kv, url,
                        progress=ctx.progress("train"))
         return list(TRAIN_OUTPUTS), counts
 

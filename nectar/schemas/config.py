@@ -160,6 +160,9 @@ class TrainConfig(FrozenConfig):
     eval_every: int = 200
     checkpoint_every: int = 200
     max_bad_steps: int = 20  # consecutive non-finite steps before the run is declared diverged
+    # Token batches are drawn from windows of this many tokens, each made of randomly chosen whole
+    # zarr chunks (the streaming loader reads a window chunk-aligned); part of the data order.
+    shuffle_window_tokens: int = Field(4096, ge=1)
     num_workers: int = resource(0)
 
 

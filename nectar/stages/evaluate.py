@@ -90,7 +90,19 @@ def _metrics_rows(sums) -> list[MetricsRow]:
             for split, by_model in sorted(sums.items()) for model, s in by_model.items()]
 
 
-def _per_layer_rows(g, header, provider, sel: Selection, device) -> list[PerLayerRow]:
+def _target_rows(targets_url: str, base: BaseModel, doc_kv: DocKV):
+    """The targets' (q, α, A) rows by token index: read (any storage dtype) or recomputed (online)."""
+    from ..training.data import TargetsData
+
+    data = TargetsData(f"{targets_url}/targets.zarr")
+    if data.online:
+        from ..targets.online import OnlineTargets
+
+        data.attach_values(OnlineTargets(data, base, doc_kv))
+    return data
+
+
+def _per_layer_rows(data, header, provider, sel: Selection, device) -> list[PerLayerRow]:
     rows = []
     group = header.num_q_heads // header.num_kv_heads
     for split, pids in sel.per_split.items():
@@ -98,9 +110,8 @@ def _per_layer_rows(g, header, provider, sel: Selection, device) -> list[PerLaye
         if not spans:
             continue
         idx = np.concatenate([np.arange(a, b) for a, b in spans])
-        q = np.concatenate([g["q"][a:b] for a, b in spans]).astype(np.float32)  # [T, L, Hq, d]
-        alpha = np.concatenate([g["alpha"][a:b] for a, b in spans]).astype(np.float32)  # [T, L, Hq]
-        A = np.concatenate([g["A"][a:b] for a, b in spans]).astype(np.float32)  # [T, L, Hq, d]
+        rows = data.rows(idx)  # stored (any storage dtype) or, for online targets, recomputed
+        q, alpha, A = (x.cpu().numpy() for x in (rows.q, rows.alpha, rows.A))  # [T, L, Hq, (d)] float32
         means = head_errors(provider, q, alpha, A, header.scaling, device).means()
         for layer in range(header.num_layers):
             for h in range(header.num_q_heads):
@@ -176,7 +187,7 @@ def evaluate(
     sums = teacher_forced_sums(base, providers, sel.pairs, layout.n, batch_size,
                                lambda d, t: step("teacher_forced", d, t))
     metrics = _metrics_rows(sums)
-    per_layer = _per_layer_rows(g, header, module_p, sel, base.device)
+    per_layer = _per_layer_rows(_target_rows(targets_url, base, doc_kv), header, module_p, sel, base.device)
 
     by_id = {r.pair_id: r for r in dataset}
     missing = [p.pair_id for p in sel.pairs if p.pair_id not in by_id]

@@ -51,7 +51,7 @@ def train(
     targets_url: str,
     cfg: TrainConfig,
     base: BaseModel,
-    doc_kv,  # nectar.attention.prefix.DocKV | None (needed to initialise quadrature modules)
+    doc_kv,  # nectar.attention.prefix.DocKV | None (needed by quadrature modules and online targets)
     out_url: str,
     progress: Callable[[int, int], None] | None = None,
     stop_after: int | None = None,  # stop (as if killed) after this many steps; for tests
@@ -65,9 +65,15 @@ def fit(targets_url: str, cfg: TrainConfig, base: BaseModel, doc_kv, out_url: st
         stop_after: int | None = None) -> tuple[NectarModule, dict]:
     """``train`` that also hands back the trained in-memory module (this process's replica)."""
     zurl = targets_zarr_url(targets_url)
-    data = TargetsData(zurl)
+    data = TargetsData(zurl, window_tokens=cfg.shuffle_window_tokens)
     h = data.header
     check_targets_fit(h, base, zurl)
+    if data.online:  # q, α, A are recomputed in every step from the document KV (nectar/targets/online.py)
+        if doc_kv is None:
+            raise TrainInputError("online targets are computed from the document KV during training; pass doc_kv")
+        from ..targets.online import OnlineTargets
+
+        data.attach_values(OnlineTargets(data, base, doc_kv))
     plan = plan_from_config(cfg.module, h.num_layers, h.num_kv_heads, h.head_dim, h.n_context, h.scaling)
     if plan.arch == "quadrature":
         if doc_kv is None:
@@ -83,7 +89,10 @@ def fit(targets_url: str, cfg: TrainConfig, base: BaseModel, doc_kv, out_url: st
     fingerprint = stable_hash({"train": cfg.cache_dict(), "plan": plan.to_dict(),
                                "targets": h.model_dump(mode="json"), "data_tokens": int(data.offsets[-1])})
     trainer = Trainer(module, plan.arch, data, base, cfg, f"{out_url.rstrip('/')}/checkpoints", fingerprint)
-    result = trainer.run(progress=progress, stop_after=stop_after)
+    try:
+        result = trainer.run(progress=progress, stop_after=stop_after)
+    finally:
+        data.close()  # the prefetch thread
     s = result.state
     counts = {"steps": s.step, "total_steps": result.schedule.total_steps, "samples": s.samples,
               "skipped_nonfinite": s.skipped, "resumed_from_step": result.resumed_from,

@@ -27,7 +27,7 @@ from ..modules.provider import ModuleDocState
 from ..schemas.artifacts import TrainLogRow
 from ..schemas.config import TrainConfig
 from .checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from .data import PairBatch, TargetsData, TokenBatch, batch_items, shard_for_rank
+from .data import PairBatch, TargetsData, TokenBatch, shard_for_rank
 from .distributed import DistInfo, all_ranks_agree, barrier, dist_info, wrap
 from .losses import correct_sum, kl_topk_tail_sum, regression_sums
 from .schedule import LRFactor, Schedule, derive_schedule
@@ -135,12 +135,13 @@ class Trainer:
         if not (self.w.alpha or self.w.A or self.w.kl):
             raise ValueError("all loss weights are zero (lambda_alpha, lambda_A, lambda_kl): nothing to train")
         self.pair_mode = self.w.kl > 0
-        self.items = data.pairs("train") if self.pair_mode else data.tokens("train")
+        # Train items (pairs or tokens) in a (seed, step)-pure order, streamed from the store.
+        self.stream = data.stream("train", by_pairs=self.pair_mode, seed=cfg.seed)
         if cfg.batch_size < self.info.world_size:
             raise ValueError(f"train.batch_size ({cfg.batch_size}) must be at least the number of "
                              f"data-parallel processes ({self.info.world_size})")
         self.schedule = derive_schedule(cfg.samples, cfg.batch_size, cfg.ref_batch_size, cfg.peak_lr,
-                                        len(self.items))
+                                        self.stream.n_items)
         self.objective = Objective(module, base, data.header.n_context)
         self.optimizer = torch.optim.AdamW(module.parameters(), lr=self.schedule.peak_lr,
                                            weight_decay=cfg.weight_decay)
@@ -268,7 +269,7 @@ class Trainer:
         while s.step < total:
             if stop_after is not None and s.step >= stop_after:
                 return TrainResult(s, self.schedule, self.resumed_from, stopped_early=True)
-            ok, stats, gnorm = self._step(batch_items(self.items, s.step, cfg.batch_size, cfg.seed))
+            ok, stats, gnorm = self._step(self.stream.batch(s.step, cfg.batch_size))
             with warnings.catch_warnings():  # a skipped first step trips "scheduler before optimizer"
                 warnings.simplefilter("ignore", UserWarning)
                 self.lr_sched.step()  # the schedule follows samples consumed, skipped or not

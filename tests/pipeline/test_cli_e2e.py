@@ -99,3 +99,25 @@ def test_document_longer_than_the_window_is_refused_before_any_stage(tmp_path):
     assert out.returncode == 2
     assert "over the model's window of 4096 tokens" in out.stderr and "yarn_factor" in out.stderr
     assert not (run_dir / "chunk").exists()
+
+
+def test_document_past_the_window_runs_every_stage_with_rope_scaling(tmp_path):
+    """A real text longer than the tiny model's 4,096-token window (CPython's sequence-types
+    reference, ~5.7k tokens) through every stage with model.yarn_factor=2: full-context
+    verification through the local backend, capture, training, module and full-context evaluation.
+    With online targets (q, α, A recomputed from the document KV in training and evaluation)."""
+    run_dir = tmp_path / "run"
+    out = _run(["run", "pydoc:typesseq", "--preset", "tiny", "--run-dir", str(run_dir),
+                "--set", "model.yarn_factor=2", "--set", "train.samples=200", "--set", "targets.mode=online"],
+               tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    run = RunDir(str(run_dir))
+    assert [stage_status(run, s)["state"] for s in STAGES] == ["done"] * len(STAGES)
+    from nectar.schemas.artifacts import DocumentInfo
+    from nectar.tables import read_json_artifact
+
+    info = read_json_artifact(run.url("document", "info.json"), DocumentInfo)
+    assert 4096 < info.n_context_tokens < 8192
+    assert run.read_manifest("verify").counts["answer_requests"] > 0
+    targets = run.read_manifest("targets").counts
+    assert targets["tokens"] > 0 and targets["bytes_written"] <= targets["estimated_bytes"]

@@ -36,10 +36,11 @@ def dataset_rows(qa=QA, test_every=4):
     return rows
 
 
-def make_targets(base, document, out_dir, top_k=8):
+def make_targets(base, document, out_dir, top_k=8, **targets_cfg):
     layout = build_layout(base.tokenizer, document)
     kv = prefill_document(base, layout.context_ids)
     sha = hashlib.sha256(document.encode()).hexdigest()
-    cfg = TargetsConfig(top_k=top_k, max_query_tokens=64, chunk_tokens=16, shard_tokens=64, batch_size=4)
+    cfg = TargetsConfig(top_k=top_k, max_query_tokens=64, chunk_tokens=16, shard_tokens=64, batch_size=4,
+                        **targets_cfg)
     build_targets(base, layout, kv, dataset_rows(), cfg, str(out_dir), sha)
     return layout, kv, sha

@@ -12,7 +12,7 @@ from nectar.stages.train import train
 from nectar.tables import read_table
 from nectar.schemas.artifacts import TrainLogRow
 from nectar.training.checkpoint import CHECKPOINT
-from nectar.training.data import TargetsData, batch_items
+from nectar.training.data import TargetsData
 from nectar.training.loop import TrainingDiverged
 
 MODULE = ModuleConfig(rho=0.25, depths=(0, 2, 2))
@@ -87,8 +87,8 @@ def _poison(tiny_targets, tmp_path, steps, cfg):
     """Failure injection: a copy of the targets whose tokens used at ``steps`` hold NaN scores."""
     dst = tmp_path / "poisoned" / "targets.zarr"
     shutil.copytree(tiny_targets[0] + "/targets.zarr", dst)
-    items = TargetsData(str(dst)).tokens("train")
-    bad = np.unique(np.concatenate([batch_items(items, s, cfg.batch_size, cfg.seed) for s in steps]))
+    stream = TargetsData(str(dst), window_tokens=cfg.shuffle_window_tokens).stream("train", False, cfg.seed)
+    bad = np.unique(np.concatenate([stream.batch(s, cfg.batch_size) for s in steps]))
     g = zarr.open_group(str(dst), mode="r+")
     alpha = g["alpha"][:]
     alpha[bad] = np.nan
