@@ -35,7 +35,8 @@ from ..schemas.artifacts import TargetsHeader
 from ..tables import ArtifactError
 from ..targets.store import VALUE_ARRAYS, array_view, decode_values, open_targets, split_names
 
-# Decoded chunks kept in memory at most (bytes; at least three token windows are always allowed).
+# Chunks kept in memory at most (bytes, as stored); at least two token windows (the one being
+# trained on and the one being prefetched) and a few chunks more are always allowed.
 CACHE_BYTES = 1 << 30
 TOKEN_ARRAYS = ("token_ids", "response_mask", "topk_ids", "topk_logprobs")
 
@@ -173,7 +174,7 @@ class TargetsData:
                                               for n in names)
         window_chunks = max(1, window_tokens // self.chunk_tokens)
         self.cache = ChunkCache(self.group, names, self.chunk_tokens, h.n_tokens,
-                                capacity=max(3 * window_chunks, cache_bytes // max(chunk_bytes, 1)))
+                                capacity=max(2 * window_chunks + 2, cache_bytes // max(chunk_bytes, 1)))
         self.window_tokens = window_tokens
         self._values: ValueSource | None = None
 
@@ -213,16 +214,6 @@ class TargetsData:
         before = np.concatenate([[0], np.cumsum(lengths)])  # [P+1] split tokens in pairs < k
         k = np.clip(np.searchsorted(self.offsets, x, side="right") - 1, 0, len(in_split) - 1)
         return before[k] + np.clip(x - self.offsets[k], 0, None) * in_split[k]
-
-    def sample_tokens(self, split: str, k: int, seed: int) -> np.ndarray:
-        """k distinct tokens of the split, uniformly, sorted (all of them when there are fewer)."""
-        total = int(self.split_tokens_below(split, np.array([self.header.n_tokens]))[0])
-        ranks = np.arange(total) if total <= k else np.sort(np.random.default_rng(seed).choice(total, k, replace=False))
-        pairs = self.pairs(split)
-        lengths = self.offsets[pairs + 1] - self.offsets[pairs]
-        starts = np.concatenate([[0], np.cumsum(lengths)])  # split-rank where each of its pairs begins
-        j = np.searchsorted(starts, ranks, side="right") - 1
-        return self.offsets[pairs[j]] + (ranks - starts[j])
 
     # ---- reads --------------------------------------------------------------------------------
     def rows(self, index: np.ndarray) -> TokenBatch:
@@ -394,35 +385,66 @@ def shard_for_rank(batch: np.ndarray, rank: int, world_size: int) -> np.ndarray:
 
 
 def target_statistics(data: TargetsData, num_kv_heads: int, max_tokens: int = 8192,
-                      seed: int = 0) -> dict[str, torch.Tensor]:
+                      seed: int = 0, block_tokens: int = 512) -> dict[str, torch.Tensor]:
     """Per (layer, KV head) mean/std of q, α and A over train tokens (query heads of a group pooled).
 
     Means of q and A are per coordinate [L, Hkv, d]; stds are one scalar per head [L, Hkv] so a
-    near-constant coordinate can't blow up the normalised loss. Tokens with non-finite targets are
-    left out (the loop masks their steps; they must not poison every prediction).
+    near-constant coordinate can't blow up the normalised loss. The sample is whole train pairs in a
+    seeded order until ``max_tokens`` tokens (contiguous reads; online targets compute whole pairs,
+    no prefix thrown away), accumulated in float64 over blocks of ``block_tokens`` rows, so memory
+    is a block whatever the sample. Tokens with non-finite targets are left out (the loop masks
+    their steps; they must not poison every prediction).
     """
-    tokens = data.sample_tokens("train", max_tokens, seed)
-    batch = data.rows(tokens)
-    batch = TokenBatch(batch.q.cpu(), batch.alpha.cpu(), batch.A.cpu())
-    finite = (batch.q.flatten(1).isfinite().all(1) & batch.A.flatten(1).isfinite().all(1)
-              & batch.alpha.flatten(1).isfinite().all(1))  # [T]: one corrupt row must not poison the stats
-    if not bool(finite.any()):
+    pairs = data.pairs("train")
+    pairs = pairs[np.random.default_rng(seed).permutation(len(pairs))]
+    lengths = data.offsets[pairs + 1] - data.offsets[pairs]
+    keep = int(np.searchsorted(np.cumsum(lengths), max_tokens)) + 1  # pairs until max_tokens
+    tokens = data.span_index(np.sort(pairs[:keep])) if len(pairs) else np.zeros(0, dtype=np.int64)
+    acc = _Moments()
+    for start in range(0, len(tokens), block_tokens):
+        acc.add(data.rows(tokens[start:start + block_tokens]), num_kv_heads)
+    if acc.n == 0:
         raise ArtifactError(f"{data.url}: every sampled train token has non-finite targets")
-    batch = TokenBatch(batch.q[finite], batch.alpha[finite], batch.A[finite])
-    T, L, hq, d = batch.q.shape
-    g = hq // num_kv_heads
+    return acc.statistics()
 
-    def grouped(x: torch.Tensor) -> torch.Tensor:  # [T, L, Hq, …] → [T·g, L, Hkv, …]
-        x = x.reshape(T, L, num_kv_heads, g, *x.shape[3:]).movedim(3, 1)
-        return x.reshape(T * g, L, num_kv_heads, *x.shape[4:])
 
-    stats = {}
-    for name in ("q", "A"):
-        x = grouped(getattr(batch, name).double())  # [N, L, Hkv, d]
-        mean = x.mean(0)
-        stats[f"{name}_mean"] = mean.float()
-        stats[f"{name}_std"] = ((x - mean).pow(2).mean((0, 3)).sqrt().clamp_min(1e-6)).float()
-    a = grouped(batch.alpha.double())  # [N, L, Hkv]
-    stats["alpha_mean"] = a.mean(0).float()
-    stats["alpha_std"] = a.std(0, unbiased=False).clamp_min(1e-6).float()
-    return stats
+class _Moments:
+    """Running float64 sums for ``target_statistics`` (one pass, any number of blocks)."""
+
+    def __init__(self):
+        self.n = 0  # grouped rows seen: tokens x query heads per KV head
+        self.sums: dict[str, torch.Tensor] = {}
+
+    def add(self, batch: TokenBatch, num_kv_heads: int) -> None:
+        q, alpha, A = batch.q.cpu(), batch.alpha.cpu(), batch.A.cpu()
+        finite = q.flatten(1).isfinite().all(1) & A.flatten(1).isfinite().all(1) & alpha.flatten(1).isfinite().all(1)
+        if not bool(finite.any()):
+            return
+        q, alpha, A = q[finite], alpha[finite], A[finite]
+        T, L, hq = alpha.shape
+        g = hq // num_kv_heads
+
+        def grouped(x: torch.Tensor) -> torch.Tensor:  # [T, L, Hq, …] → [T·g, L, Hkv, …] float64
+            x = x.double().reshape(T, L, num_kv_heads, g, *x.shape[3:]).movedim(3, 1)
+            return x.reshape(T * g, L, num_kv_heads, *x.shape[4:])
+
+        parts = {"q": grouped(q), "A": grouped(A), "alpha": grouped(alpha)}
+        for name, x in parts.items():  # Σx per coordinate, Σx² per head (q, A) or per head (α)
+            s1, s2 = x.sum(0), x.pow(2).sum(0)
+            s2 = s2.sum(-1) if name != "alpha" else s2  # [L, Hkv]
+            for key, v in ((f"{name}_s1", s1), (f"{name}_s2", s2)):
+                self.sums[key] = self.sums[key] + v if key in self.sums else v
+        self.n += T * g
+
+    def statistics(self) -> dict[str, torch.Tensor]:
+        n, out = self.n, {}
+        for name in ("q", "A"):
+            mean = self.sums[f"{name}_s1"] / n  # [L, Hkv, d]
+            d = mean.shape[-1]
+            var = (self.sums[f"{name}_s2"] / n - mean.pow(2).sum(-1)) / d  # mean over d of per-coordinate variances
+            out[f"{name}_mean"] = mean.float()
+            out[f"{name}_std"] = var.clamp_min(0).sqrt().clamp_min(1e-6).float()
+        mean = self.sums["alpha_s1"] / n
+        out["alpha_mean"] = mean.float()
+        out["alpha_std"] = (self.sums["alpha_s2"] / n - mean.pow(2)).clamp_min(0).sqrt().clamp_min(1e-6).float()
+        return out

@@ -41,13 +41,13 @@ def test_pair_batch_aligns_next_tokens_masks_and_rows(data):
 
 
 def test_streamed_rows_equal_direct_zarr_reads(tiny_targets, data):
-    small = TargetsData(tiny_targets[0] + "/targets.zarr", cache_bytes=0, window_tokens=16)  # 3 chunks cached
+    small = TargetsData(tiny_targets[0] + "/targets.zarr", cache_bytes=0, window_tokens=16)  # 4 chunks cached
     idx = np.array([17, 3, 3, 40, data.header.n_tokens - 1, 0])
     for reader in (data, small):
         got = reader.rows(idx)
         for name in ("q", "alpha", "A"):
             assert torch.equal(getattr(got, name), torch.from_numpy(data.group[name][:][idx]))
-    assert small.cache.capacity == 3 and len(small.cache._chunks) <= 3
+    assert small.cache.capacity == 4 and len(small.cache._chunks) <= 4
 
 
 def test_data_order_is_a_pure_function_of_seed_and_step_and_covers_each_epoch():
