@@ -107,6 +107,11 @@ class ModuleConfig(FrozenConfig):
     residual: bool = False
     layer_norm: bool = False
     normalize_targets: bool = True
+    # quadrature only: a log-mass bias β per (W, Z) pair (Attention Matching's state form)
+    bias: bool = False
+    # quadrature only: how (W, Z, β) start — the first p document rows, the p most-attended rows per
+    # head (evict), or those rows with fitted β and values (attention_matching); see nectar.baselines
+    init: Literal["first", "evict", "attention_matching"] = "first"
 
 
 class TrainConfig(FrozenConfig):

@@ -130,8 +130,11 @@ class Trainer:
         self.module, self.data, self.base, self.cfg = module, data, base, cfg
         self.info = info or dist_info()
         self.ckpt_url, self.fingerprint, self.micro_tokens = ckpt_url, fingerprint, micro_tokens
-        # The quadrature score is closed-form from W (paper §3.3): λα is forced to 0.
-        self.w = LossWeights(0.0 if arch == "quadrature" else cfg.lambda_alpha, cfg.lambda_A, cfg.lambda_kl)
+        # The quadrature score is closed-form from W (paper §3.3): λα is forced to 0. With a log-mass
+        # bias β it is not: A is invariant to a common shift of β, so only Lα (or KL) pins a(q).
+        has_bias = getattr(module.layers[0], "beta", None) is not None
+        closed_form_score = arch == "quadrature" and not has_bias
+        self.w = LossWeights(0.0 if closed_form_score else cfg.lambda_alpha, cfg.lambda_A, cfg.lambda_kl)
         if not (self.w.alpha or self.w.A or self.w.kl):
             raise ValueError("all loss weights are zero (lambda_alpha, lambda_A, lambda_kl): nothing to train")
         self.pair_mode = self.w.kl > 0
