@@ -11,8 +11,10 @@ from pydantic import Field, model_validator
 
 from .base import FrozenConfig, resource
 
-TaskType = Literal["qa", "summarization", "quoting", "paraphrasing"]
-TASK_TYPES: tuple[TaskType, ...] = ("qa", "summarization", "quoting", "paraphrasing")
+SynthesisTask = Literal["qa", "summarization", "quoting", "paraphrasing"]
+TASK_TYPES: tuple[SynthesisTask, ...] = ("qa", "summarization", "quoting", "paraphrasing")
+ProbeKind = Literal["continue", "locate"]
+TaskType = Literal["qa", "summarization", "quoting", "paraphrasing", "continue", "locate"]
 STAGES: tuple[str, ...] = ("chunk", "synthesize", "verify", "targets", "train", "evaluate")
 
 
@@ -63,7 +65,7 @@ class ChunkConfig(FrozenConfig):
 
 
 class SynthesizeConfig(FrozenConfig):
-    counts: dict[TaskType, int] = Field(
+    counts: dict[SynthesisTask, int] = Field(
         default_factory=lambda: {"qa": 5, "summarization": 1, "quoting": 2, "paraphrasing": 2}
     )
     max_chunks: int | None = None  # cap for quick runs; None = every chunk
@@ -87,11 +89,28 @@ class VerifyConfig(FrozenConfig):
     min_kept: int = 0
 
 
+class ProbesConfig(FrozenConfig):
+    """Document probes (nectar/stages/probes.py): queries made from the document, no LLM."""
+
+    held_out: bool = True  # cache held-out probes (split "probes") for evaluation
+    train: bool = False  # also train on probes of the other positions (split "train")
+    kinds: tuple[ProbeKind, ...] = ("continue", "locate")
+    held_out_fraction: float = Field(0.5, gt=0, lt=1)  # share of the document's positions held out
+    block_units: int = Field(4, ge=1)  # positions are assigned to train / held-out in blocks of units
+    min_prompt_words: int = Field(4, ge=1)
+    min_response_words: int = Field(12, ge=1)
+    max_response_units: int = Field(3, ge=1)
+    phrase_words: int = Field(3, ge=2)
+    locate_per_unit: int = Field(2, ge=1)  # distinct unique phrases asked about per unit
+    seed: int = 0
+
+
 class TargetsConfig(FrozenConfig):
+    probes: ProbesConfig = ProbesConfig()
     top_k: int = 32
     dtype: Literal["float32", "float16"] = "float32"
     max_query_tokens: int = 512
-    splits: tuple[str, ...] = ("train", "test")
+    splits: tuple[str, ...] = ("train", "test", "probes")
     chunk_tokens: int = 64  # zarr chunk along the token axis (random reads of batches)
     shard_tokens: int = 2048  # zarr shard along the token axis (one write unit)
     batch_size: int = resource(8, ge=1)  # pairs per forward at most (packed back to back, no padding)
