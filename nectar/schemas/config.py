@@ -138,6 +138,11 @@ class TrainConfig(FrozenConfig):
     lambda_alpha: float = 0.1
     lambda_A: float = 1.0
     lambda_kl: float = 0.0
+    # "mean": Lα and LA are per-element means of the σ-normalised squared errors (≈ 1 for a module
+    # that predicts the targets' mean, like KL's scale), so λ values weigh the terms as the paper
+    # intends; "sum": the paper's literal sum over layers, heads and d (≈ 17k at the start on
+    # SmolLM2, which makes any λKL negligible). See docs/configuration.md.
+    regression_scale: Literal["mean", "sum"] = "mean"
     samples: int = 1_000_000  # total sample budget (query tokens for regression, pairs for KL)
     batch_size: int = 32
     ref_batch_size: int = 4
