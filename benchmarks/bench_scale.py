@@ -200,7 +200,7 @@ def convert_store(src: Path, dst: Path, dtype: str, mode: str = "cached") -> Non
     import torch
 
     from nectar.schemas.artifacts import TargetsHeader
-    from nectar.targets.store import HEADER_KEY, SPLIT_NAMES_KEY, create_targets, encode_values, open_targets
+    from nectar.targets.store import HEADER_KEY, create_targets, encode_values, open_targets
 
     g, header = open_targets(str(src))
     new = header.model_copy(update={"dtype": dtype, "mode": mode})
@@ -209,7 +209,6 @@ def convert_store(src: Path, dst: Path, dtype: str, mode: str = "cached") -> Non
               if name in ("q", "A") else a)
     for name in ("pair_offsets", "pair_split"):
         h[name][:] = g[name][:]
-    h.attrs[SPLIT_NAMES_KEY] = g.attrs[SPLIT_NAMES_KEY]
     h.attrs[HEADER_KEY] = TargetsHeader.model_validate(g.attrs[HEADER_KEY]).model_copy(
         update={"dtype": dtype, "mode": mode}).model_dump(mode="json")
 
@@ -227,7 +226,7 @@ def copy_rows(g, h, n_tokens: int, transform, repeat: int = 1) -> None:
 
 def tile_store(src: Path, dst: Path, times: int) -> None:
     """A store ``times`` as large: the same pairs' rows repeated (as many more pairs)."""
-    from nectar.targets.store import HEADER_KEY, SPLIT_NAMES_KEY, create_targets, open_targets
+    from nectar.targets.store import HEADER_KEY, create_targets, open_targets
 
     g, header = open_targets(str(src))
     T, P = header.n_tokens, header.n_pairs
@@ -238,7 +237,6 @@ def tile_store(src: Path, dst: Path, times: int) -> None:
     offsets = g["pair_offsets"][:]
     h["pair_offsets"][:] = np.concatenate([offsets[:-1] + r * T for r in range(times)] + [[T * times]])
     h["pair_split"][:] = np.tile(g["pair_split"][:P], times)
-    h.attrs[SPLIT_NAMES_KEY] = g.attrs[SPLIT_NAMES_KEY]
     h.attrs[HEADER_KEY] = new.model_dump(mode="json")
 
 

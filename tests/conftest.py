@@ -35,9 +35,8 @@ def tiny_qwen3():
     return load_base_model(ModelConfig(name="tiny:qwen3", device="cpu"))
 
 
-# The paper's Qwen3 setting (YaRN x4 over a 32,768-token pretraining window, paper §4.1) and the
-# shorthand model.yarn_factor: RoPE-scaled tiny models for the oracle and capture checks.
-PAPER_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+# RoPE-scaled tiny models for the oracle and capture checks: the shorthand model.yarn_factor, and the
+# paper preset's setting for Qwen3 (YaRN x4 over a 32,768-token pretraining window, paper §4.1).
 
 
 @pytest.fixture(scope="session")
@@ -53,7 +52,10 @@ def tiny_qwen3_yarn():
     from nectar.models import load_base_model
     from nectar.schemas import ModelConfig
 
-    return load_base_model(ModelConfig(name="tiny:qwen3", device="cpu", rope_scaling=PAPER_YARN))
+    from nectar.schemas.presets import load_config
+
+    paper = load_config("paper").model.rope_scaling
+    return load_base_model(ModelConfig(name="tiny:qwen3", device="cpu", rope_scaling=paper))
 
 
 @pytest.fixture(scope="session")

@@ -6,10 +6,12 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config
 
-from conftest import PAPER_YARN
 from nectar.models import ModelLoadError, apply_rope_scaling, load_base_model
 from nectar.schemas import ModelConfig
 from nectar.schemas.presets import ConfigError, load_config
+
+
+PAPER_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}  # paper §4.1
 
 
 def _rotary(base):

@@ -98,7 +98,10 @@ def _train_log(ctx: RunContext) -> list:
 
 def run_targets(ctx: RunContext, force: bool = False) -> StageOutcome:
     from ..layout import build_layout, check_fits
+    from ..schemas.artifacts import ProbeRow
+    from ..stages.probes import make_probes, probe_dataset_rows
     from ..stages.targets import build_targets, plan_pairs, targets_size
+    from ..tables import write_table
     from ..targets.size import check_budget
 
     inputs = _upstream_outputs(ctx, "targets")
@@ -109,6 +112,12 @@ def run_targets(ctx: RunContext, force: bool = False) -> StageOutcome:
         layout = build_layout(base.tokenizer, ctx.text)
         check_fits(layout, cfg.max_query_tokens, base.max_context_tokens)
         rows = read_table(ctx.run.url("verify", "dataset.parquet"), DatasetRow)
+        # Document probes join the verified pairs: held-out ones as split "probes", train ones
+        # (when targets.probes.train) as extra training queries. Every probe is listed in probes.parquet.
+        probes = make_probes(ctx.text, cfg.probes) if (cfg.probes.held_out or cfg.probes.train) else []
+        write_table(f"{url}/probes.parquet", probes, ProbeRow)
+        rows = rows + [r for r in probe_dataset_rows(probes, cfg.probes.train)
+                       if cfg.probes.held_out or r.split == "train"]
         # The size of the outputs, before the document prefill or any capture: refused over max_bytes.
         planned = plan_pairs(rows, layout, cfg)
         size = targets_size(planned, base, cfg)
@@ -120,7 +129,9 @@ def run_targets(ctx: RunContext, force: bool = False) -> StageOutcome:
                                planned=planned)
         counts.update(doc_kv_bytes=doc_kv.nbytes(), estimated_bytes=size.total,
                       bytes_written=_bytes_under(f"{url}/targets.zarr"))
-        return ["targets.zarr", "pairs.parquet", "doc_kv.safetensors"], counts
+        counts["probes_held_out"] = sum(p.split == "probes" for p in probes)
+        counts["probes_train"] = sum(p.split == "train" for p in probes) if cfg.probes.train else 0
+        return ["targets.zarr", "pairs.parquet", "probes.parquet", "doc_kv.safetensors"], counts
 
     return run_stage(ctx.run, "targets", _stage_config(ctx, "targets"), inputs, body, force)
 

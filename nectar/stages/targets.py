@@ -21,12 +21,12 @@ import torch
 from ..attention.prefix import DocKV, ExactDocState
 from ..layout import PromptLayout
 from ..models import BaseModel
-from ..schemas.artifacts import DatasetRow, TargetsHeader, TargetsPairRow
+from ..schemas.artifacts import SPLIT_CODES, DatasetRow, TargetsHeader, TargetsPairRow
 from ..schemas.config import TargetsConfig
 from ..tables import write_table
 from ..targets.capture import capture_packed
 from ..targets.size import TargetsSize, check_budget
-from ..targets.store import SPLIT_NAMES_KEY, create_targets, encode_values, open_targets
+from ..targets.store import create_targets, encode_values, open_targets
 
 Progress = Callable[[int, int], None]
 
@@ -96,10 +96,7 @@ def build_targets(
                 progress(done, len(planned))
         writer.flush()
     g["pair_offsets"][:] = offsets
-    # Split codes index the split_names attribute (train 0 and test 1 as before; any other after).
-    names = list(dict.fromkeys(["train", "test", *(p.row.split for p in planned)]))
-    g["pair_split"][:] = np.array([names.index(p.row.split) for p in planned], dtype=np.int8)
-    g.attrs[SPLIT_NAMES_KEY] = names
+    g["pair_split"][:] = np.array([SPLIT_CODES[p.row.split] for p in planned], dtype=np.int8)
     g.attrs["nectar_targets"] = header.model_copy(update={"complete": True}).model_dump(mode="json")
     write_table(f"{out_url}/pairs.parquet", [p.row for p in planned], TargetsPairRow)
     return {"pairs": len(planned), "tokens": header.n_tokens, "truncated": sum(p.row.truncated for p in planned),

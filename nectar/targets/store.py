@@ -21,8 +21,6 @@ VALUE_ARRAYS = ("q", "alpha", "A")  # the per-(layer, head) targets; absent from
 VIEW_KEY = "nectar_view"  # array attribute: the real dtype of a uint16 view
 # Storage dtype of q and A per TargetsConfig.dtype (zarr has no bf16: its bits as uint16).
 STORAGE_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "uint16"}
-SPLIT_NAMES_KEY = "split_names"  # group attribute: pair_split codes index this list
-DEFAULT_SPLIT_NAMES = ("train", "test")  # groups written before the attribute existed
 
 
 def value_storage(name: str, dtype: str) -> str:
@@ -47,9 +45,6 @@ def decode_values(a: np.ndarray, view: str | None = None) -> np.ndarray:
 def array_view(g: zarr.Group, name: str) -> str | None:
     return g[name].attrs.get(VIEW_KEY)
 
-
-def split_names(g: zarr.Group) -> tuple[str, ...]:
-    return tuple(g.attrs.get(SPLIT_NAMES_KEY, DEFAULT_SPLIT_NAMES))
 
 
 def open_store(url: str):

@@ -31,9 +31,9 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..schemas.artifacts import TargetsHeader
+from ..schemas.artifacts import SPLIT_CODES, TargetsHeader
 from ..tables import ArtifactError
-from ..targets.store import VALUE_ARRAYS, array_view, decode_values, open_targets, split_names
+from ..targets.store import VALUE_ARRAYS, array_view, decode_values, open_targets
 
 # Chunks kept in memory at most (bytes, as stored); at least two token windows (the one being
 # trained on and the one being prefetched) and a few chunks more are always allowed.
@@ -161,7 +161,6 @@ class TargetsData:
                                 "re-run the targets stage")
         self.offsets = np.asarray(self.group["pair_offsets"][:], dtype=np.int64)  # [P+1]
         self.pair_split = np.asarray(self.group["pair_split"][:], dtype=np.int8)[: h.n_pairs]  # [P]
-        self.split_names = split_names(self.group)
         if len(self.offsets) != h.n_pairs + 1 or self.offsets[-1] != h.n_tokens:
             raise ArtifactError(f"{url}: pair_offsets has {len(self.offsets)} entries ending at "
                                 f"{self.offsets[-1] if len(self.offsets) else None}; the header says "
@@ -192,12 +191,13 @@ class TargetsData:
         return sum(self.group[n].nbytes for n in VALUE_ARRAYS)
 
     # ---- splits -------------------------------------------------------------------------------
-    def split_code(self, split: str) -> int | None:
-        return self.split_names.index(split) if split in self.split_names else None
+    def split_code(self, split: str) -> int:
+        if split not in SPLIT_CODES:
+            raise ValueError(f"unknown split {split!r}; the targets' splits are {sorted(SPLIT_CODES)}")
+        return SPLIT_CODES[split]
 
     def pairs(self, split: str) -> np.ndarray:
-        code = self.split_code(split)
-        return np.zeros(0, dtype=np.int64) if code is None else np.flatnonzero(self.pair_split == code)
+        return np.flatnonzero(self.pair_split == self.split_code(split))
 
     def tokens(self, split: str) -> np.ndarray:
         """Global token indices of the split's pairs (O(tokens) memory: for tests and small stores)."""
