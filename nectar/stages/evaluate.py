@@ -110,8 +110,8 @@ def _per_layer_rows(data, header, provider, sel: Selection, device) -> list[PerL
         if not spans:
             continue
         idx = np.concatenate([np.arange(a, b) for a, b in spans])
-        rows = data.rows(idx)  # stored (any storage dtype) or, for online targets, recomputed
-        q, alpha, A = (x.cpu().numpy() for x in (rows.q, rows.alpha, rows.A))  # [T, L, Hq, (d)] float32
+        t = data.rows(idx)  # stored (any storage dtype) or, for online targets, recomputed
+        q, alpha, A = (x.cpu().numpy() for x in (t.q, t.alpha, t.A))  # [T, L, Hq, (d)] float32
         means = head_errors(provider, q, alpha, A, header.scaling, device).means()
         for layer in range(header.num_layers):
             for h in range(header.num_q_heads):
