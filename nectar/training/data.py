@@ -76,6 +76,7 @@ class ChunkCache:
 
     def __init__(self, group, names: tuple[str, ...], chunk_tokens: int, n_tokens: int, capacity: int):
         self.group, self.names = group, names
+        self.arrays = {name: group[name] for name in names}  # opened once: group[name] re-reads metadata
         self.chunk_tokens, self.n_tokens = chunk_tokens, n_tokens
         self.capacity = max(1, capacity)
         self._chunks: OrderedDict[int, dict[str, np.ndarray]] = OrderedDict()
@@ -87,7 +88,7 @@ class ChunkCache:
     def _read(self, chunk: int) -> dict[str, np.ndarray]:
         start = chunk * self.chunk_tokens
         stop = min(start + self.chunk_tokens, self.n_tokens)
-        block = {name: self.group[name][start:stop] for name in self.names}  # one chunk each, aligned
+        block = {name: a[start:stop] for name, a in self.arrays.items()}  # one chunk each, aligned
         self.reads += 1
         return block
 
@@ -134,7 +135,7 @@ class ChunkCache:
         """Rows ``index`` (global token indices) of array ``name``, as stored, in that order."""
         index = np.asarray(index, dtype=np.int64)
         chunks = index // self.chunk_tokens
-        first = self.get(int(chunks[0]))[name] if len(index) else self.group[name][0:0]
+        first = self.get(int(chunks[0]))[name] if len(index) else self.arrays[name][0:0]
         out = np.empty((len(index), *first.shape[1:]), dtype=first.dtype)
         for c in np.unique(chunks):
             sel = chunks == c
