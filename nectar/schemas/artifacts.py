@@ -14,7 +14,7 @@ from .config import TaskType
 
 __all__ = [
     "DocumentInfo", "ChunkRow", "PairRow", "DatasetRow", "Verdict", "Split",
-    "StageManifest", "RunManifest", "TargetsHeader", "TargetsPairRow", "ModuleSpec",
+    "StageManifest", "FileDigest", "RunManifest", "TargetsHeader", "TargetsPairRow", "ModuleSpec",
     "TrainLogRow", "MetricsRow", "GenerationRow", "JudgmentRow", "PerLayerRow", "BenchmarkRow", "BenchSystem",
 ]
 
@@ -83,6 +83,13 @@ class DatasetRow(Artifact):
     max_train_similarity: float | None = None
 
 
+class FileDigest(Artifact):
+    """One output file's content digest, as its stage's manifest records it."""
+
+    sha256: str
+    size: int
+
+
 class StageManifest(Artifact):
     """Written last and atomically into a stage folder: its presence means the stage completed."""
 
@@ -91,12 +98,15 @@ class StageManifest(Artifact):
     cache_key: str
     config: dict[str, Any]
     inputs: dict[str, str]  # name → content hash
-    outputs: dict[str, str]  # relative path → content hash
+    outputs: dict[str, str]  # declared output (file or folder) → content digest (nectar/integrity.py)
     code_version: str
     counts: dict[str, Any] = Field(default_factory=dict)
     started_at: str
     finished_at: str
     duration_s: float
+    # every file of the outputs (folders expanded: each Zarr shard) → its digest; checked before
+    # the stage counts as cached. Empty in manifests of older releases (they are never cached).
+    files: dict[str, FileDigest] = Field(default_factory=dict)
 
 
 class RunManifest(Artifact):
