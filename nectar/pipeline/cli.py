@@ -37,9 +37,13 @@ def _tqdm_progress(stage: str):
     return update
 
 
-def _quiet_prefect() -> None:
-    # Ephemeral mode is fine for a one-off run; keep Prefect's own logs at warning level.
+def _quiet_prefect(debug: bool = False) -> None:
+    # Ephemeral mode is fine for a one-off run; keep Prefect's own logs at warning level, and off
+    # the terminal unless --debug: a failed stage is reported in one line (the flow run's logs on a
+    # server keep the traceback).
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    if not debug:
+        os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "CRITICAL")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     # The ephemeral API server starts in a subprocess; on a busy 2-core machine it can take longer
     # than Prefect's default 20 s.
@@ -48,7 +52,8 @@ def _quiet_prefect() -> None:
 
 @app.command()
 def run(
-    document: str = typer.Argument("pydoc:naming", help="Path, fsspec URL or pydoc:<topic> (default: pydoc:naming)."),
+    document: Optional[str] = typer.Argument(
+        None, help="Path, fsspec URL or pydoc:<topic> (default: pydoc:naming; with --only on an existing run, the run's)."),
     preset: str = typer.Option("cpu", help="tiny | cpu | paper"),
     config: Optional[str] = typer.Option(None, "--config", help="YAML file of overrides."),
     regime: Optional[str] = typer.Option(None, help="regression | mixed | distill | cartridges"),
@@ -57,35 +62,44 @@ def run(
     from_stage: Optional[str] = typer.Option(None, "--from", help="Re-run this stage and everything after it."),
     only_stage: Optional[str] = typer.Option(None, "--only", help="Re-run only this stage on existing inputs."),
     force: bool = typer.Option(False, "--force", help="Ignore the cache for every stage."),
+    no_wait: bool = typer.Option(False, "--no-wait", help="If another process is writing the run directory, "
+                                                          "exit at once (code 3) instead of waiting for it."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks and Prefect's own logs."),
 ) -> None:
     """Run the pipeline for one document."""
-    _quiet_prefect()
-    from ..documents import DocumentError
-    from ..layout import ContextTooLongError
-    from ..schemas.presets import ConfigError, load_config
-    from . import flows
+    from .errors import reported
 
-    try:
-        load_config(preset, config, regime, set_)  # fail fast, before Prefect starts
-    except ConfigError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2)
-    flows.CONSOLE_PROGRESS = _tqdm_progress
-    try:
-        result = flows.nectar_pipeline(document=document, preset=preset, config_file=config, overrides=list(set_),
-                                       run_dir=run_dir, from_stage=from_stage, only_stage=only_stage, force=force,
-                                       regime=regime)
-    except (DocumentError, ContextTooLongError, ConfigError) as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2)
-    except Exception as exc:  # a stage failed: its error.json and a re-run hint are in the run dir
-        console.print(f"[red]error:[/red] {type(exc).__name__}: {exc}")
-        if run_dir:
-            _print_status(run_dir)
-        console.print("Fix the cause and run the same command again: completed stages are cached.")
-        raise typer.Exit(1)
+    _quiet_prefect(debug)
+    with reported(debug, _error_line):
+        # Everything a user can get wrong is checked here, before Prefect starts.
+        from ..orchestration import check_inputs_done, check_request, plan_stages, run_lock
+        from ..schemas.presets import load_config
+
+        cfg = load_config(preset, config, regime, set_)
+        plan_stages(from_stage, only_stage, force)
+        checked = check_request(document, cfg, run_dir, only_stage)
+        if only_stage:
+            check_inputs_done(checked.run, only_stage, checked.info.source_uri)
+        with run_lock(checked.run.root, wait=not no_wait, notify=_notice):
+            from . import flows
+
+            flows.CONSOLE_PROGRESS, flows.CONSOLE_NOTICE = _tqdm_progress, _notice
+            result = flows.nectar_pipeline(
+                document=document or checked.info.source_uri, preset=preset, config_file=config,
+                overrides=list(set_), run_dir=checked.run.root, from_stage=from_stage, only_stage=only_stage,
+                force=force, regime=regime)
     _print_status(result["run_dir"])
     typer.echo(result["run_dir"])
+
+
+def _notice(message: str) -> None:
+    console.print(message, markup=False, highlight=False, soft_wrap=True)
+
+
+def _error_line(message: str) -> None:
+    from rich.text import Text
+
+    console.print(Text("error: ", style="red") + Text(message[len("error: "):]), highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -120,7 +134,10 @@ def sweep(
 
 @app.command()
 def status(run_dir: str = typer.Argument(..., help="A run directory, or a folder of runs (runs/<doc-id>).")) -> None:
-    """Each stage of a run: done / cached / failed / missing, with counts and the last error."""
+    """Each stage of a run: done / cached / stale / failed / missing, with counts and the last error.
+
+    ``stale``: completed, but an input or output changed since (every output byte is checked);
+    the next `nectar run` redoes it."""
     from ..runs import RunDir
 
     if RunDir(run_dir).exists("run.json"):
@@ -165,7 +182,7 @@ def _print_status(run_dir: str) -> None:
     table = Table(title=f"run {run_dir}")
     for col in ("stage", "state", "counts", "seconds"):
         table.add_column(col)
-    colors = {"done": "green", "cached": "cyan", "failed": "red", "missing": "yellow"}
+    colors = {"done": "green", "cached": "cyan", "stale": "magenta", "failed": "red", "missing": "yellow"}
     for stage in STAGES:
         if stage not in avail:
             table.add_row(stage, "[dim]not available[/dim]", "", "")
@@ -174,6 +191,8 @@ def _print_status(run_dir: str) -> None:
         counts = ", ".join(f"{k}={v}" for k, v in list(st["counts"].items())[:8])
         if st["error"]:
             counts = st["error"].splitlines()[0][:160]
+        elif st.get("stale"):
+            counts = f"stale: {st['stale']}"[:200]
         table.add_row(stage, f"[{colors[st['state']]}]{st['state']}[/]", counts,
                       "" if st["duration_s"] is None else f"{st['duration_s']:.1f}")
     Console().print(table)
