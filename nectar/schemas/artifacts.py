@@ -14,7 +14,7 @@ from .config import TaskType
 
 __all__ = [
     "DocumentInfo", "ChunkRow", "PairRow", "DatasetRow", "Verdict", "Split",
-    "StageManifest", "FileDigest", "RunManifest", "TargetsHeader", "TargetsPairRow", "ModuleSpec",
+    "StageManifest", "RunManifest", "TargetsHeader", "TargetsPairRow", "ModuleSpec",
     "TrainLogRow", "MetricsRow", "GenerationRow", "JudgmentRow", "PerLayerRow", "BenchmarkRow", "BenchSystem",
 ]
 
@@ -84,7 +84,8 @@ class DatasetRow(Artifact):
 
 
 class FileDigest(Artifact):
-    """One output file's content digest, as its stage's manifest records it."""
+    """One output file's content digest, as its stage's manifest records it (a part of
+    StageManifest, versioned with it: no schema_version of its own, a manifest lists thousands)."""
 
     sha256: str
     size: int
