@@ -193,3 +193,23 @@ def summarize(stage: str, changes: list[Change]) -> str:
     first = changes[0].describe(stage)
     more = len(changes) - 1
     return first + (f" (and {more} more file{'s' if more > 1 else ''})" if more else "")
+
+
+def stable_safetensors(blob: bytes) -> bytes:
+    """safetensors bytes with the ``__metadata__`` keys in sorted order. The library writes that map
+    in a per-process random (hash-map) order, so the same tensors and metadata gave different bytes,
+    hence different digests, in every process; sorted, equal content has equal digests. The header
+    keeps its length (same characters, reordered), so the tensor offsets stay valid."""
+    import json
+
+    n = int.from_bytes(blob[:8], "little")
+    raw = blob[8: 8 + n]
+    header = json.loads(raw)
+    meta = header.get("__metadata__")
+    if not meta:
+        return blob
+    header["__metadata__"] = dict(sorted(meta.items()))
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    if len(text) > n:  # not the compact form the library writes: leave the file as it was
+        return blob
+    return blob[:8] + text + b" " * (n - len(text)) + blob[8 + n:]

@@ -203,8 +203,11 @@ def run_stage(
         fs, path = fsspec.core.url_to_fs(stage_url)
         digests = integrity.digest_outputs(fs, path, files, written)
     except BaseException as exc:
-        run.write_error(stage, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}")
-        _record_invocation(run, stage, "failed")
+        try:
+            run.write_error(stage, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}")
+            _record_invocation(run, stage, "failed")
+        except OSError as record_exc:  # e.g. the disk that made the stage fail is full: report the stage's error
+            notify(f"{stage}: could not record the failure in {run.url(stage)} ({record_exc})")
         try:
             exc._nectar_recorded = True  # so callers don't record it twice
             exc._nectar_stage = stage  # so the CLI's one line names the stage

@@ -132,6 +132,9 @@ def prepare_run(document: str, config: PipelineConfig, run_dir: str | None = Non
 def open_run(run_dir: str, progress: ProgressFactory = _no_progress) -> RunContext:
     """Reopen an existing run (for `--only`, stage deployments and `status`)."""
     run = RunDir(run_dir)
+    if not run.exists("run.json"):
+        raise ArtifactError(f"{run_dir}: not a run directory (no run.json); give a directory `nectar run` "
+                            "created (it prints it last), e.g. runs/<doc-id>/<run-id>")
     manifest = read_json_artifact(run.url("run.json"), RunManifest)
     try:
         config = PipelineConfig.model_validate(manifest.config)

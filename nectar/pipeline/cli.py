@@ -158,18 +158,15 @@ def ask(
     max_new_tokens: Optional[int] = typer.Option(None, help="Default: the run's evaluate setting."),
     temperature: Optional[float] = typer.Option(None, help="0 for greedy; default: the run's evaluate setting."),
     seed: int = typer.Option(0),
+    debug: bool = typer.Option(False, "--debug", help="Show the traceback of an error."),
 ) -> None:
     """Answer a question from the trained module, without the document in the context (streams)."""
     from ..ask import ask as ask_module
-    from ..modules.io import ModuleMismatch
-    from ..tables import ArtifactError
+    from .errors import reported
 
-    try:
+    with reported(debug, _error_line):
         ask_module(run_dir, question, stream=lambda text: (sys.stdout.write(text), sys.stdout.flush()),
                    max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
-    except (FileNotFoundError, ModuleMismatch, ArtifactError) as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(1)
     sys.stdout.write("\n")
 
 

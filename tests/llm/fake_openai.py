@@ -51,7 +51,9 @@ class FakeServer:
 
 
 @contextmanager
-def fake_server(reply: Reply, delay_s: float = 0.0) -> Iterator[FakeServer]:
+def fake_server(reply: Reply, delay_s: float = 0.0, port: int = 0) -> Iterator[FakeServer]:
+    """Serve ``reply`` on 127.0.0.1 (``port``: 0 for any; a fixed one to bring a "fixed" server back
+    at the URL a run's configuration names)."""
     server = FakeServer(reply, delay_s)
 
     class Handler(BaseHTTPRequestHandler):
@@ -70,7 +72,7 @@ def fake_server(reply: Reply, delay_s: float = 0.0) -> Iterator[FakeServer]:
             self.end_headers()
             self.wfile.write(data)
 
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
     httpd.daemon_threads = True
     server.url = f"http://127.0.0.1:{httpd.server_address[1]}/v1"
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
