@@ -8,6 +8,7 @@ from typing import Callable
 from pydantic import ValidationError
 
 from ..documents import load_document
+from ..layout import ContextTooLongError
 from ..runs import RunDir, doc_id_for, now, slug
 from ..schemas.artifacts import DocumentInfo, RunManifest
 from ..schemas.base import stable_hash
@@ -82,9 +83,12 @@ def check_run(document: str, config: PipelineConfig, run_dir: str | None = None)
     doc_id = doc_id_for(source.name, source.sha256)
     run = RunDir(run_dir or default_run_dir(doc_id, config))
     _check_owner(run, doc_id, document)
+    try:
+        n = _context_tokens(config, text)
+    except ContextTooLongError as exc:
+        raise ContextTooLongError(f"{document} (model {config.model.name}): {exc}") from None
     info = DocumentInfo(doc_id=doc_id, source_uri=source.uri, sha256=source.sha256, n_chars=len(text),
-                        n_words=len(text.split()), n_context_tokens=_context_tokens(config, text),
-                        model=config.model.name)
+                        n_words=len(text.split()), n_context_tokens=n, model=config.model.name)
     return CheckedRun(run, text, info)
 
 

@@ -112,22 +112,27 @@ def sweep(
     set_: list[str] = typer.Option([], "--set"),
     run_dir: Optional[str] = typer.Option(None, "--run-dir"),
     force: bool = typer.Option(False, "--force"),
+    no_wait: bool = typer.Option(False, "--no-wait", help="Exit at once (code 3) if the run directory is busy."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks and Prefect's own logs."),
 ) -> None:
     """Train and evaluate every combination of a grid on one document; print one comparison table."""
-    _quiet_prefect()
-    from ..schemas.presets import ConfigError
-    from ..sweep import expand_variants, parse_grid
-    from ..schemas.presets import load_config
-    from . import flows
+    from .errors import reported
 
-    try:
-        expand_variants(load_config(preset, config, None, set_), parse_grid(grid))
-    except ConfigError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2)
-    flows.CONSOLE_PROGRESS = _tqdm_progress
-    result = flows.nectar_sweep(document=document, grid=list(grid), preset=preset, config_file=config,
-                                overrides=list(set_), run_dir=run_dir, force=force)
+    _quiet_prefect(debug)
+    with reported(debug, _error_line):
+        from ..orchestration import check_run, run_lock
+        from ..schemas.presets import load_config
+        from ..sweep import expand_variants, parse_grid
+
+        cfg = load_config(preset, config, None, set_)
+        expand_variants(cfg, parse_grid(grid))
+        checked = check_run(document, cfg, run_dir)  # the document and the run directory, before Prefect
+        with run_lock(checked.run.root, wait=not no_wait, notify=_notice):
+            from . import flows
+
+            flows.CONSOLE_PROGRESS, flows.CONSOLE_NOTICE = _tqdm_progress, _notice
+            result = flows.nectar_sweep(document=document, grid=list(grid), preset=preset, config_file=config,
+                                        overrides=list(set_), run_dir=checked.run.root, force=force)
     typer.echo(result["table"])
     typer.echo(f"{result['run_dir']}/sweep/comparison.md")
 

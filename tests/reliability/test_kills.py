@@ -76,15 +76,21 @@ def test_sigkill_inside_synthesize(run_copy):
     assert len({r.pair_id for r in rows}) == len(rows)
 
 
-def test_sigkill_inside_verify(run_copy):
+def test_sigkill_inside_verify(run_copy, monkeypatch):
+    from nectar.llm.local import LocalBackend
+
     kill_inside(run_copy, "verify")
     left_behind(run_copy, "verify")
     answers = sorted((Path(run_copy) / "verify" / "partial" / "answers").glob("*.parquet"))
     assert len(answers) == 1
     saved = {r.pair_id: r.text for r in read_table(str(answers[0]), AnswerRow)}
+    asked = []  # a spy on the real backend: how many requests each call sends
+    real = LocalBackend.chat_many
+    monkeypatch.setattr(LocalBackend, "chat_many", lambda self, reqs, *a, **k: asked.append(len(reqs)) or
+                        real(self, reqs, *a, **k))
     resume(run_copy)
-    manifest = RunDir(run_copy).read_manifest("verify")
-    assert manifest.counts["answer_requests"] == manifest.counts["pairs"] - len(saved)  # none asked twice
+    candidates = RunDir(run_copy).read_manifest("verify").counts["answer_requests"]
+    assert asked[0] == candidates - len(saved)  # the answers: none of the saved ones asked again
     rows = {r.pair_id: r for r in read_table(f"{run_copy}/verify/dataset.parquet", DatasetRow)}
     assert all(rows[pid].full_answer == text for pid, text in saved.items())  # byte for byte
 
