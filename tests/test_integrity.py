@@ -12,10 +12,11 @@ from safetensors.torch import load, save
 from nectar.integrity import stable_safetensors
 
 SAVE = """
-import sys, torch
-from safetensors.torch import save
+import sys, numpy as np
+from safetensors.numpy import save
 from nectar.integrity import stable_safetensors
-blob = save({"k.0": torch.arange(6.).reshape(2, 3)}, metadata={"model_hash": "abc", "doc_sha256": "d" * 64, "n": "7"})
+blob = save({"k.0": np.arange(6, dtype=np.float32).reshape(2, 3)},
+            metadata={"model_hash": "abc", "doc_sha256": "d" * 64, "n": "7"})
 sys.stdout.buffer.write(stable_safetensors(blob) if sys.argv[1] == "stable" else blob)
 """
 
@@ -25,7 +26,7 @@ def _blob(mode: str) -> bytes:
 
 
 def test_same_tensors_and_metadata_give_the_same_bytes_in_every_process():
-    stable = {hashlib.sha256(_blob("stable")).hexdigest() for _ in range(4)}
+    stable = {hashlib.sha256(_blob("stable")).hexdigest() for _ in range(3)}
     assert len(stable) == 1
     back = load(_blob("stable"))
     assert torch.equal(back["k.0"], torch.arange(6.).reshape(2, 3))
