@@ -16,6 +16,7 @@ a real run's — then runs it through ``run_stage`` and times:
 
     python benchmarks/bench_integrity.py                 # ~400 MB, the cpu preset's targets
     python benchmarks/bench_integrity.py --tokens 10000  # bigger
+    python benchmarks/bench_integrity.py --existing runs/<doc>/<run>/targets/targets.zarr   # a real one, read only
 """
 from __future__ import annotations
 
@@ -72,7 +73,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2876, help="query tokens (2876 = bench_targets' 32 pairs)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--dir", default=None, help="where to build the run (default: a temp dir, removed after)")
+    ap.add_argument("--existing", default=None, help="time digest + warm check of this file or folder instead "
+                                                     "(read only, nothing written)")
     args = ap.parse_args()
+    if args.existing:
+        return existing(args.existing, args.repeats)
 
     from nectar import integrity
     from nectar.runs import RunDir, check_stage, run_stage
@@ -149,6 +154,30 @@ def main() -> None:
     finally:
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
+
+
+def existing(path: str, repeats: int) -> None:
+    """Digest an existing output once, then time the warm check against those digests."""
+    import fsspec
+
+    from nectar import integrity
+
+    fs, p = fsspec.core.url_to_fs(path)
+    parent, name = p.rstrip("/").rsplit("/", 1)
+    t0 = time.perf_counter()
+    files = integrity.digest_outputs(fs, parent, [name])
+    record = time.perf_counter() - t0
+    times = []
+    for _ in range(repeats):
+        integrity._MEMO.clear()
+        t0 = time.perf_counter()
+        assert integrity.check_outputs(fs, parent, files, [name]) == []
+        times.append(time.perf_counter() - t0)
+    mb = sum(f.size for f in files.values()) / 1e6
+    med = statistics.median(times)
+    print(f"{path}: {mb:.1f} MB in {len(files)} files; load(1m)={os.getloadavg()[0]:.2f}; repeats={repeats}")
+    print(f"digest once: {record:.3f} s ({mb / record:.0f} MB/s); check, warm page cache: median {med:.3f} s "
+          f"[{min(times):.3f}-{max(times):.3f}] ({mb / med:.0f} MB/s)")
 
 
 if __name__ == "__main__":
