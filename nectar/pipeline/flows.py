@@ -152,8 +152,9 @@ def nectar_pipeline(
     plan = orchestration.plan_stages(from_stage, only_stage, force)
     checked = orchestration.check_request(document, config, run_dir, only_stage)
     results = {}
-    # One writer per run directory; one run per document at a time on a server (doc_slot).
-    with doc_slot(checked.info.doc_id), orchestration.run_lock(checked.run.root, notify=_notify):
+    # One writer per run directory; one run per document at a time on a server (doc_slot). Always in
+    # this order (the CLI takes the run-directory lock before the flow starts): no lock cycle.
+    with orchestration.run_lock(checked.run.root, notify=_notify), doc_slot(checked.info.doc_id):
         if checked.reopen:
             ctx = orchestration.open_run(checked.run.root)
         else:
