@@ -53,7 +53,8 @@ def _quiet_prefect(debug: bool = False) -> None:
 @app.command()
 def run(
     document: Optional[str] = typer.Argument(
-        None, help="Path, fsspec URL or pydoc:<topic> (default: pydoc:naming; with --only on an existing run, the run's)."),
+        None, help="Path, fsspec URL or pydoc:<topic> (default: pydoc:naming; with --only on an existing "
+                   "run, the run's)."),
     preset: str = typer.Option("cpu", help="tiny | cpu | paper"),
     config: Optional[str] = typer.Option(None, "--config", help="YAML file of overrides."),
     regime: Optional[str] = typer.Option(None, help="regression | mixed | distill | cartridges"),

@@ -65,7 +65,7 @@ def reported(debug: bool, echo: Callable[[str], None] | None = None) -> Iterator
         line, code = classify(exc)
         if debug:
             traceback.print_exception(exc, file=sys.stderr)
-        elif code == STAGE_FAILED and getattr(exc, "_nectar_stage", None) is None and not isinstance(exc, KeyboardInterrupt):
-            line += " (--debug shows the traceback)"
+        elif code == STAGE_FAILED and getattr(exc, "_nectar_stage", None) is None:
+            line += " (--debug shows the traceback)"  # not a stage's: nothing recorded in the run
         (echo or (lambda m: print(m, file=sys.stderr)))(f"error: {line}")
         raise typer.Exit(code) from None

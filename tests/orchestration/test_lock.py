@@ -27,7 +27,8 @@ with run_lock(sys.argv[1]):
 
 def hold_in_other_process(root: str, seconds: float) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    proc = subprocess.Popen([sys.executable, "-c", HOLD, root, str(seconds)], stdout=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, root, str(seconds)], stdout=subprocess.PIPE, text=True,
+                            env=env)
     assert proc.stdout.readline().strip() == "held"
     return proc
 

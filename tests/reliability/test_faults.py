@@ -118,7 +118,7 @@ def test_flipped_byte_in_a_chunk_fails_its_read_and_is_named_before_training(run
         TargetsData(f"{run_copy}/targets/targets.zarr").rows(np.arange(64, 70))  # crc32c per chunk
     out = run_pipeline(run_copy, only="train")
     assert out.exit_code == 2 and f"targets/{SHARD} changed (sha256 differs)" in out.user_line
-    assert f"--from targets" in out.user_line
+    assert "--from targets" in out.user_line
 
 
 # ------------------------------------------------------------------------------ one writer
