@@ -161,6 +161,9 @@ async def _wait(job: Job, request: Request) -> None:
                 raise ApiError(500, event.text, type="server_error", code="engine_error")
             if event.kind == "cancelled":  # nobody will read the answer
                 raise ApiError(499, "the client closed the connection", code="client_closed")
+    except asyncio.CancelledError:  # the server gave up on this request (shutdown timeout): free its row
+        job.cancel()
+        raise
     finally:
         watcher.cancel()
 

@@ -94,7 +94,9 @@ def test_sigterm_finishes_in_flight_requests_then_exits_0(served_run, tmp_path):
         waiter = threading.Thread(target=lambda: plain.update(reply=client(srv).chat.completions.create(
             model=srv.model, messages=ASK, max_tokens=300, temperature=0)))
         waiter.start()
-        while sum(srv.health()[k] for k in ("waiting", "running")) < 2:  # both admitted
+        deadline = time.monotonic() + 30
+        while sum(srv.health()[k] for k in ("waiting", "running")) < 2:  # both admitted, neither done
+            assert time.monotonic() < deadline, "the stream ended before the second request was admitted"
             time.sleep(0.02)
         srv.proc.send_signal(signal.SIGTERM)
         rest = list(chunks)
