@@ -86,13 +86,13 @@ def test_sigterm_finishes_in_flight_requests_then_exits_0(served_run, tmp_path):
     srv = ServerProcess(served_run, tmp_path)
     try:
         c = client(srv)
-        stream = c.chat.completions.create(model=srv.model, messages=ASK, max_tokens=400, temperature=1.0,
+        stream = c.chat.completions.create(model=srv.model, messages=ASK, max_tokens=200, temperature=1.0,
                                            stream=True, stream_options={"include_usage": True})
         chunks = iter(stream)
         next(chunks)  # the stream is open and decoding
         plain: dict = {}
         waiter = threading.Thread(target=lambda: plain.update(reply=client(srv).chat.completions.create(
-            model=srv.model, messages=ASK, max_tokens=300, temperature=0)))
+            model=srv.model, messages=ASK, max_tokens=100, temperature=0)))
         waiter.start()
         deadline = time.monotonic() + 30
         while sum(srv.health()[k] for k in ("waiting", "running")) < 2:  # both admitted, neither done
@@ -105,7 +105,7 @@ def test_sigterm_finishes_in_flight_requests_then_exits_0(served_run, tmp_path):
     finally:
         srv.terminate()
     finish = [ch.choices[0].finish_reason for ch in rest if ch.choices and ch.choices[0].finish_reason]
-    assert finish == ["length"] and rest[-1].usage.completion_tokens == 400
+    assert finish == ["length"] and rest[-1].usage.completion_tokens == 200
     reply = plain["reply"]
     assert reply.choices[0].finish_reason in ("stop", "length") and reply.usage.completion_tokens > 0
     with pytest.raises(httpx.ConnectError):
