@@ -157,3 +157,26 @@ def test_full_queue_gives_503_with_retry_after_then_the_waiting_requests_are_ans
     assert err["code"] == "queue_full" and "queue limit is 2 (nectar serve --max-queue)" in err["message"]
     assert [r.status_code for r in answered] == [200, 200]
     assert scheduler.stats.batches == 1 and scheduler.stats.largest_batch == 2
+
+
+def test_a_failing_batch_answers_500_and_the_server_keeps_serving_with_fake_failing_provider(served):
+    """Failure injection: the document-state provider raises inside the engine for some requests."""
+    app = create_app(served, ServeLimits())
+    engine = app.state.nectar.scheduler.engine
+    real = engine.provider
+
+    def failing(layer, q, scaling):
+        raise RuntimeError("injected failure")
+
+    with TestClient(app) as c:
+        engine.provider = failing
+        r = chat(c, served, max_tokens=3, temperature=0)
+        assert r.status_code == 500 and r.json()["error"]["code"] == "engine_error"
+        assert "injected failure" in r.json()["error"]["message"]
+        with c.stream("POST", "/v1/chat/completions", json={"model": served.name, "stream": True, "max_tokens": 3,
+                                                            "messages": [{"role": "user", "content": Q}]}) as s:
+            lines = [line for line in s.iter_lines() if line]
+        assert "injected failure" in lines[-2] and lines[-1] == "data: [DONE]"
+        engine.provider = real
+        assert chat(c, served, max_tokens=3, temperature=0).status_code == 200
+        assert c.get("/health").json()["failed_batches"] == 2
