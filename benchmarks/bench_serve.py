@@ -121,11 +121,10 @@ class Server:
 
 
 async def load(url: str, questions: list[str], concurrency: int, max_tokens: int) -> dict:
-    import httpx
     import openai
 
-    model = httpx.get(f"{url}/models").json()["data"][0]["id"]
     client = openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
+    model = (await client.models.list()).data[0].id
     gate = asyncio.Semaphore(concurrency)
     lat: list[float] = []
 
