@@ -166,6 +166,7 @@ def serve_cmd(
     max_tokens: int = typer.Option(512, help="Largest max_tokens a request may ask for (400 beyond)."),
     max_prompt_tokens: int = typer.Option(4096, help="Largest conversation, in query tokens (400 beyond)."),
     max_body_bytes: int = typer.Option(1_000_000, help="Largest request body (413 beyond)."),
+    max_stop: int = typer.Option(4, help="Stop strings per request (400 beyond)."),
     batch_wait_ms: float = typer.Option(5.0, help="How long a new batch waits for more requests."),
     shutdown_timeout: float = typer.Option(120.0, help="On SIGTERM, wait this long for in-flight requests."),
     served_name: Optional[str] = typer.Option(None, help="Model id clients send (default <doc-id>/<run-id>)."),
@@ -181,7 +182,7 @@ def serve_cmd(
     try:
         limits = ServeLimits(max_batch=max_batch, max_queue=max_queue, max_tokens=max_tokens,
                              max_prompt_tokens=max_prompt_tokens, max_body_bytes=max_body_bytes,
-                             batch_wait_ms=batch_wait_ms, shutdown_timeout_s=shutdown_timeout)
+                             max_stop=max_stop, batch_wait_ms=batch_wait_ms, shutdown_timeout_s=shutdown_timeout)
     except ValidationError as exc:
         err = exc.errors()[0]
         flag = {"shutdown_timeout_s": "shutdown_timeout"}.get(str(err["loc"][0]), str(err["loc"][0]))

@@ -26,3 +26,13 @@ def test_bad_limits_and_a_busy_port_are_refused(tmp_path):
         port = busy.getsockname()[1]
         result = CliRunner().invoke(app, ["serve", str(tmp_path), "--port", str(port)])
     assert result.exit_code == 1 and f"cannot listen on 127.0.0.1:{port}" in result.output
+
+
+def test_every_limit_has_its_flag():
+    """Error messages name `nectar serve --<flag>`: each ServeLimits field must be a CLI option."""
+    from nectar.serving.limits import ServeLimits
+
+    help_text = CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "200"}).output
+    for field in ServeLimits.model_fields:
+        flag = "--" + field.removesuffix("_s").replace("_", "-")
+        assert flag in help_text, flag
