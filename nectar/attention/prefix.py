@@ -14,6 +14,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from ..models import BaseModel
+from ..integrity import stable_safetensors
 from ..storage import atomic_write
 from .state import AttnState, attention_state
 
@@ -56,7 +57,7 @@ def save_doc_kv(doc_kv: DocKV, url: str, meta: dict[str, str]) -> None:
     tensors = {f"k.{i}": k.cpu() for i, k in enumerate(doc_kv.keys)}
     tensors.update({f"v.{i}": v.cpu() for i, v in enumerate(doc_kv.values)})
     blob = st_save(tensors, metadata={k: str(v) for k, v in meta.items()})
-    atomic_write(url, blob)
+    atomic_write(url, stable_safetensors(blob))  # same KV, same bytes: its digest feeds cache keys
 
 
 def read_doc_kv_meta(url: str) -> dict[str, str]:
@@ -111,11 +112,7 @@ class ExactDocState:
         # flash: the flash-attn package (CUDA); fused: torch's own flash kernel, which returns the lse
         # too (CUDA and CPU); torch: exact chunked float32 math, the reference the others are tested
         # against.
-        if backend == "auto":
-            backend = "flash" if flash_available(device) else "fused"
-        if backend == "flash" and device.type != "cuda":
-            raise ValueError(f"attention backend 'flash' needs CUDA; use 'fused' or 'torch' on {device.type}")
-        self.backend = backend
+        self.backend = choose_backend(backend, device, doc_kv.keys[0].dtype)
 
     def __call__(self, layer: int, q: torch.Tensor, scaling: float) -> AttnState:
         if self.backend == "flash":
@@ -141,22 +138,43 @@ class ExactDocState:
         qf = q.permute(0, 2, 1, 3).reshape(1, b * m, hq, d)  # batch folded into the sequence axis
         kf = k.permute(1, 0, 2).unsqueeze(0)  # [1, n, hkv, d] (flash handles GQA natively)
         vf = v.permute(1, 0, 2).unsqueeze(0)
-        dtype = qf.dtype if qf.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
-        out, lse, _ = flash_attn_func(qf.to(dtype), kf.to(dtype), vf.to(dtype), softmax_scale=scaling,
+        dtype = qf.dtype  # half precision: choose_backend gives flash to no other model
+        out, lse, _ = flash_attn_func(qf, kf.to(dtype), vf.to(dtype), softmax_scale=scaling,
                                       causal=False, return_attn_probs=True)
         out = out.reshape(b, m, hq, d).permute(0, 2, 1, 3).float()  # [b, hq, m, d]
         lse = lse.reshape(hq, b, m).permute(1, 0, 2).float()  # flash lse is [1, hq, b*m]
         return AttnState(out, lse)
 
 
+HALF = (torch.float16, torch.bfloat16)
+
+
+def choose_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The document-attention kernel for a model running in ``dtype`` on ``device``. flash-attn
+    computes in float16/bfloat16 only: a float32 model never gets it silently (its states would be
+    rounded to bf16): "auto" picks it for half-precision models only, and asking for it otherwise
+    is an error that says what to use instead."""
+    if backend == "auto":
+        return "flash" if dtype in HALF and flash_available(device) else "fused"
+    if backend == "flash" and device.type != "cuda":
+        raise ValueError(f"attention backend 'flash' needs CUDA; use 'fused' or 'torch' on {device.type}")
+    if backend == "flash" and dtype not in HALF:
+        raise ValueError(f"attention backend 'flash' computes in float16/bfloat16, the model runs in {dtype}: "
+                         "use model.attention_backend=fused or torch (exact), or model.dtype=bfloat16")
+    return backend
+
+
 def _fused_state(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
                  causal: bool = False) -> AttnState:
     """torch's fused flash kernel, which also returns the lse; q [b, h, M, d], k/v [b, h, n, d]
-    (same head count). ``causal`` is top-left aligned, so only for M == n (no cached keys)."""
+    (same head count). ``causal`` is top-left aligned, so only for M == n (no cached keys).
+    The CUDA kernel computes in float16/bfloat16 only: float32 queries take the exact float32 path
+    instead of being rounded."""
     if q.device.type == "cuda":
-        dtype = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+        if q.dtype not in HALF:
+            return attention_state(q, k.to(q.dtype), v.to(q.dtype), scaling, causal_offset=0 if causal else None)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
-            q.to(dtype), k.to(dtype), v.to(dtype), 0.0, causal, False, scale=scaling)[:2]
+            q, k.to(q.dtype), v.to(q.dtype), 0.0, causal, False, scale=scaling)[:2]
     else:  # the CPU flash kernel agrees with the exact math to ~1e-6 in float32
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k.to(q.dtype), v.to(q.dtype), 0.0, causal, scale=scaling)
