@@ -27,7 +27,7 @@ from ..modules.provider import ModuleDocState
 from ..schemas.artifacts import TrainLogRow
 from ..schemas.config import TrainConfig
 from .checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from .data import PairBatch, TargetsData, TokenBatch, batch_items, shard_for_rank
+from .data import PairBatch, TargetsData, TokenBatch, shard_for_rank
 from .distributed import DistInfo, all_ranks_agree, all_reduce_sum, barrier, dist_info, wrap
 from .losses import correct_sum, kl_topk_tail_sum, regression_sums
 from .schedule import LRFactor, Schedule, derive_schedule
