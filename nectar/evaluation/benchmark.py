@@ -1,13 +1,17 @@
 """The generation benchmark (paper App. F): TTFT, decode tokens/s and peak memory against n.
 
 Three systems answer the same prompt after a document of n tokens:
-  module       the module stands in for the document; nothing is prefilled
+  module       the module (its fused inference form) stands in for the document; nothing is prefilled
   full_cold    the document is prefilled first (its KV computed), then the prompt is answered
   full_cached  the document's KV is already there (prefix cache); only the prompt is run
-All three use the same query-only forward (nectar.attention.run.generate); only the document
-provider differs (module vs ExactDocState over the KV cache), so the ratio isolates the document.
+All three run on the one decode engine (nectar.attention.engine); only the document provider
+differs (module vs ExactDocState over the KV cache), so the ratio isolates the document.
 Decoding is greedy and never stops early, so every system decodes exactly ``new_tokens`` tokens.
 Documents of each length are the run's document tokens tiled (repeated) and truncated to n.
+
+The evaluate stage and ``benchmarks/bench_generation.py`` both call ``run_benchmark`` with the same
+defaults (repeats, warm-up), so the stage's table and the script's agree up to machine noise; the
+script adds the transformers baselines, batched decoding and the bandwidth bound.
 """
 from __future__ import annotations
 
@@ -19,16 +23,18 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..attention.prefix import ExactDocState, prefill_document
-from ..attention.run import GenerationResult, generate
+from ..attention.doc_kv import prefill_document
+from ..attention.exact import ExactDocState
+from ..attention.engine import GenerationResult, generate
 from ..models import BaseModel
 from ..modules.budget import BudgetError
 from ..modules.builder import ModulePlan, build_module, plan_module
-from ..modules.provider import ModuleDocState
+from ..modules.provider import inference_provider
 from .memory import track_peak_memory
 from ..schemas.artifacts import BenchmarkRow
 
 BENCH_PROMPT = "Summarize the document in two sentences."
+REPEATS = 3  # median of 3: one 32-token decode on a shared machine is too noisy to compare
 
 
 @dataclass
@@ -78,13 +84,24 @@ def same_architecture(base: BaseModel, plan: ModulePlan, seed: int = 0) -> Modul
         module = build_module(p, keys, values, seed=seed).to(device=base.device, dtype=base.dtype).eval()
         nbytes = sum(t.numel() * t.element_size() for t in module.state_dict().values())
         note = f"random-init {p.arch} module of the same architecture (rho={p.rho:g}); timing only"
-        return BenchModule(ModuleDocState(module), nbytes, note)
+        return BenchModule(inference_provider(module, base.dtype), nbytes, note)
 
     return make
 
 
 def _timed_generate(base: BaseModel, provider, n: int, prompt: list[int], new_tokens: int) -> GenerationResult:
     return generate(base, provider, n, [prompt], max_new_tokens=new_tokens, temperature=0.0, stop_ids=())
+
+
+def timed_batch(base: BaseModel, provider, n: int, prompts: Sequence[list[int]], new_tokens: int,
+                repeats: int = REPEATS) -> tuple[float, float]:
+    """Median TTFT (s) and median aggregate decode tokens/s of ``prompts`` decoded as one batch."""
+    ttfts, rates = [], []
+    for _ in range(repeats):
+        res = generate(base, provider, n, list(prompts), max_new_tokens=new_tokens, temperature=0.0, stop_ids=())
+        ttfts.append(res.ttft_s)
+        rates.append(res.decode_tok_s)
+    return statistics.median(ttfts), statistics.median(rates)
 
 
 def _row(n, system, ttfts, rates, peak, method, state_bytes, prompt, new_tokens, device, note):
@@ -95,7 +112,7 @@ def _row(n, system, ttfts, rates, peak, method, state_bytes, prompt, new_tokens,
 
 
 def bench_length(base: BaseModel, context_ids: Sequence[int], n: int, prompt: list[int],
-                 module_for: ModuleFactory, new_tokens: int, repeats: int = 1) -> list[BenchmarkRow]:
+                 module_for: ModuleFactory, new_tokens: int, repeats: int = REPEATS) -> list[BenchmarkRow]:
     """Measure the three systems at document length n (module first, so no KV is resident)."""
     if n + len(prompt) + new_tokens > base.max_context_tokens:
         raise BenchmarkError(
@@ -143,7 +160,7 @@ def bench_length(base: BaseModel, context_ids: Sequence[int], n: int, prompt: li
 
 def run_benchmark(base: BaseModel, context_ids: Sequence[int], prompt: list[int],
                   lengths: Sequence[int], module_for: ModuleFactory, new_tokens: int,
-                  repeats: int = 1, progress: Callable[[int, int], None] | None = None
+                  repeats: int = REPEATS, progress: Callable[[int, int], None] | None = None
                   ) -> "BenchmarkResult":
     """All systems at every length, after an untimed warm-up pass of every system at the smallest
     length (first-call costs — kernel selection, allocator growth, lazy init — are not measured)."""

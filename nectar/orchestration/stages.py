@@ -194,7 +194,7 @@ def plan_stages(from_stage: str | None, only_stage: str | None, force: bool) -> 
 def _document_kv(ctx: RunContext, base, layout, kv_url: str):
     """The document KV, prefilled once per (model, document): reused from an interrupted attempt of
     this same stage when its header matches, rebuilt when it was made for another model/document."""
-    from ..attention.prefix import DocKVMismatch, prefill_document, save_doc_kv
+    from ..attention.doc_kv import DocKVMismatch, prefill_document, save_doc_kv
 
     if ctx.stage_run("targets").exists("targets", "doc_kv.safetensors"):
         try:

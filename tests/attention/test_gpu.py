@@ -13,8 +13,11 @@ import copy
 import pytest
 import torch
 
-from nectar.attention.prefix import DocKV, ExactDocState, flash_available, prefill_document
-from nectar.attention.run import query_logits
+from nectar.attention.doc_kv import DocKV, prefill_document
+from nectar.attention.exact import ExactDocState
+
+from nectar.attention.kernels import flash_available
+from nectar.attention.forward import query_logits
 from nectar.layout import build_layout
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
