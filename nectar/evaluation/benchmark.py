@@ -113,49 +113,50 @@ def _row(n, system, ttfts, rates, peak, method, state_bytes, prompt, new_tokens,
 
 def bench_length(base: BaseModel, context_ids: Sequence[int], n: int, prompt: list[int],
                  module_for: ModuleFactory, new_tokens: int, repeats: int = REPEATS) -> list[BenchmarkRow]:
-    """Measure the three systems at document length n (module first, so no KV is resident)."""
+    """Measure the three systems at document length n.
+
+    The repeats run in rounds that alternate the systems (module, cold, cached), so a machine whose
+    speed drifts — a shared host — slows all three alike instead of whichever ran last. Each round
+    drops the document KV before the module runs, so its peak memory holds no KV."""
     if n + len(prompt) + new_tokens > base.max_context_tokens:
         raise BenchmarkError(
             f"benchmark length n={n} plus {len(prompt)} prompt and {new_tokens} new tokens exceeds the "
             f"model's window of {base.max_context_tokens} tokens; lower evaluate.benchmark_lengths")
     ctx = context_of_length(context_ids, n)
     dev = base.device
-    rows = []
     mod = module_for(n, ctx)
-    ttfts, rates = [], []
-    with track_peak_memory(dev) as pm:
-        for _ in range(repeats):
-            res = _timed_generate(base, mod.provider, n, prompt, new_tokens)
-            ttfts.append(res.ttft_s)
-            rates.append(res.decode_tok_s)
-    rows.append(_row(n, "module", ttfts, rates, pm.peak_bytes, pm.method, mod.state_bytes, prompt,
-                     new_tokens, dev, mod.note))
-    del mod
+    systems = ("module", "full_cold", "full_cached")
+    ttfts: dict[str, list[float]] = {s: [] for s in systems}
+    rates: dict[str, list[float]] = {s: [] for s in systems}
+    peaks, method, kv_bytes = dict.fromkeys(systems, 0), "", 0
 
-    ttfts, rates = [], []
-    with track_peak_memory(dev) as pm:
-        for _ in range(repeats):
-            kv = None  # drop the previous repeat's KV before prefilling again
+    def record(system: str, res: GenerationResult, pm, extra_s: float = 0.0) -> None:
+        ttfts[system].append(extra_s + res.ttft_s)
+        rates[system].append(res.decode_tok_s)
+        peaks[system] = max(peaks[system], pm.peak_bytes)
+
+    for _ in range(repeats):
+        kv = None
+        with track_peak_memory(dev) as pm:
+            res = _timed_generate(base, mod.provider, n, prompt, new_tokens)
+        record("module", res, pm)
+        with track_peak_memory(dev) as pm:
             t0 = time.perf_counter()
             kv = prefill_document(base, ctx)
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             prefill_s = time.perf_counter() - t0
             res = _timed_generate(base, ExactDocState(kv), n, prompt, new_tokens)
-            ttfts.append(prefill_s + res.ttft_s)
-            rates.append(res.decode_tok_s)
-    rows.append(_row(n, "full_cold", ttfts, rates, pm.peak_bytes, pm.method, kv.nbytes(), prompt,
-                     new_tokens, dev, "document prefilled, then the prompt"))
-
-    ttfts, rates = [], []
-    with track_peak_memory(dev) as pm:
-        for _ in range(repeats):
+        record("full_cold", res, pm, prefill_s)
+        with track_peak_memory(dev) as pm:
             res = _timed_generate(base, ExactDocState(kv), n, prompt, new_tokens)
-            ttfts.append(res.ttft_s)
-            rates.append(res.decode_tok_s)
-    rows.append(_row(n, "full_cached", ttfts, rates, pm.peak_bytes, pm.method, kv.nbytes(), prompt,
-                     new_tokens, dev, "document KV already computed (prefix cache)"))
-    return rows
+        record("full_cached", res, pm)
+        kv_bytes, method = kv.nbytes(), pm.method
+    notes = {"module": mod.note, "full_cold": "document prefilled, then the prompt",
+             "full_cached": "document KV already computed (prefix cache)"}
+    sizes = {"module": mod.state_bytes, "full_cold": kv_bytes, "full_cached": kv_bytes}
+    return [_row(n, s, ttfts[s], rates[s], peaks[s], method, sizes[s], prompt, new_tokens, dev, notes[s])
+            for s in systems]
 
 
 def run_benchmark(base: BaseModel, context_ids: Sequence[int], prompt: list[int],

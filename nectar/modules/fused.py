@@ -10,11 +10,15 @@ arithmetic, is the cost (DESIGN.md §12). ``fuse_module`` rewrites each layer on
   the backbone, score and target networks (with their biases) — is ONE batched GEMM over all KV
   heads, P = q·[U_0 | V_1 | … ] + [b_0 | b_1 | …]; each hidden layer is then one baddbmm
   (pre_k = P_k + h_k·U_k, bias and q-term fused) and one SiLU;
-* score and target chains stay separate GEMM chains: their widths differ (the 10/90 budget split),
-  and padding or a block-diagonal weight to batch them would read 1.6–1.8× the module's bytes,
-  which is what bounds decoding;
-* weights are kept in the model's dtype (bf16/fp16 on GPU, where the GEMMs accumulate in fp32); the
-  score's output layer runs in float32, so the log-mass a — the merge weight — is fp32.
+* the score and target networks run as ONE chain when they have the same depth and no layer norm
+  (the default (0, 4, 4)): their hidden states are concatenated, [h_s | h_t], and each U_k is the
+  block-diagonal diag(U_k^s, U_k^t), so a hidden layer of both networks is one baddbmm + one SiLU
+  and both output layers are one GEMM. Their widths differ (the 10/90 budget split), so the zero
+  blocks cost about 1.4x the U_k bytes (10-25 % of the module, still a few % of the KV it
+  replaces) for half the kernels — on a GPU the kernel count, not these bytes, is what is far from
+  the bound. Other architectures run the two chains one after the other;
+* weights are kept in the model's dtype (bf16/fp16 on GPU, where the GEMMs accumulate in fp32);
+  the output layers run in float32, so the log-mass a — the merge weight — is fp32.
 
 Training keeps ``LayerMLP`` (differentiable, parameters in normalised space); the fused form is a
 snapshot for inference and must be rebuilt after the weights change. ``FusedModule.predict`` equals
@@ -96,15 +100,42 @@ class FusedLayerMLP:
 
         self.backbone = chain("backbone", s.backbone, True) if s.backbone.depth else None
         heads_read_q = self.backbone is None
-        self.score = chain("score", s.score, heads_read_q, norm["alpha_std"], norm["alpha_mean"][:, None])
-        self.target = chain("target", s.target, heads_read_q, norm["A_std"], norm["A_mean"])
-        # The score's output stays float32 (its log-mass is the merge weight); the rest in ``dtype``.
-        if self.score.out_W is not None:
-            self.score.out_W, self.score.out_b = self.score.out_W.float(), self.score.out_b.float()
-        if self.target.out_W is not None:
-            self.target.out_W, self.target.out_b = self.target.out_W.to(dtype), self.target.out_b.to(dtype)
+        a_scale, a_shift = norm["alpha_std"], norm["alpha_mean"][:, None]
+        self.merged: _Chain | None = None
+        self.score = self.target = None
+        if s.score.depth == s.target.depth > 0 and not s.score.layer_norm:
+            self.merged = self._merge(p, s.score.depth, heads_read_q, q_term, (a_scale, a_shift),
+                                      (norm["A_std"], norm["A_mean"]), dtype)
+        else:
+            self.score = chain("score", s.score, heads_read_q, a_scale, a_shift)
+            self.target = chain("target", s.target, heads_read_q, norm["A_std"], norm["A_mean"])
+            for c in (self.score, self.target):  # output layers in float32 (a is the merge weight)
+                if c.out_W is not None:
+                    c.out_W, c.out_b = c.out_W.float(), c.out_b.float()
         self.q_W = torch.cat(q_mats, dim=-1).to(dtype)  # [H, d, ΣW]: every q-term of the layer
         self.q_b = torch.cat(q_bias, dim=-1).unsqueeze(1).to(dtype)  # [H, 1, ΣW]
+
+    @staticmethod
+    def _merge(p, depth, reads_q, q_term, score_norm, target_norm, dtype) -> _Chain:
+        """Score and target as one chain over [h_s | h_t] (block-diagonal U_k and output layer)."""
+        hidden = []
+        for k in range(depth):
+            if k == 0 and reads_q:
+                sl = q_term(torch.cat([p["score_U0"], p["target_U0"]], -1), torch.cat([p["score_b0"], p["target_b0"]], -1))
+                hidden.append(_Hidden(sl, None, None, None))
+            elif k == 0:  # both read the backbone's output: U_0 side by side, not block-diagonal
+                U = torch.cat([p["score_U0"], p["target_U0"]], -1).to(dtype)
+                b = torch.cat([p["score_b0"], p["target_b0"]], -1).unsqueeze(1).to(dtype)
+                hidden.append(_Hidden(None, U, b, None))
+            else:
+                sl = q_term(torch.cat([p[f"score_V{k}"], p[f"target_V{k}"]], -1),
+                            torch.cat([p[f"score_b{k}"], p[f"target_b{k}"]], -1))
+                hidden.append(_Hidden(sl, _block_diag(p[f"score_U{k}"], p[f"target_U{k}"]).to(dtype), None, None))
+        (sa, ma), (sA, mA) = score_norm, target_norm
+        W = _block_diag(p["score_Wout"] * sa[:, None, None], p["target_Wout"] * sA[:, None, None])  # [H, ws+wt, 1+d]
+        b = torch.cat([p["score_bout"] * sa[:, None] + ma, p["target_bout"] * sA[:, None] + mA], -1)
+        width = p["score_U0"].shape[-1] + p["target_U0"].shape[-1]
+        return _Chain(hidden, width, W.float(), b.unsqueeze(1).float(), None)
 
     def to(self, device: torch.device) -> "FusedLayerMLP":
         for name, value in list(vars(self).items()):
@@ -139,6 +170,9 @@ class FusedLayerMLP:
         q = q.to(self.dtype)
         P = torch.baddbmm(self.q_b, q, self.q_W)  # [H, N, ΣW]: all q-terms, one GEMM
         x = self._run(self.backbone, P, None) if self.backbone is not None else None
+        if self.merged is not None:
+            y = self._run(self.merged, P, x)  # [H, N, 1 + d] float32: [a | A]
+            return y[..., 1:], y[..., 0]
         a = self._run(self.score, P, x)[..., 0].float()  # [H, N]
         A = self._run(self.target, P, x)  # [H, N, d]
         return A, a
@@ -196,6 +230,15 @@ def fuse_module(module: NectarModule, dtype: torch.dtype | None = None,
             layers.append(FusedLayerMLP(layer, norm, dtype).to(device))
     nbytes = sum(_tensor_bytes(layer) for layer in layers)
     return FusedModule(layers, module.num_kv_heads, module.head_dim, module.scaling, nbytes)
+
+
+def _block_diag(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[H, i1, o1], [H, i2, o2] → [H, i1 + i2, o1 + o2] with a and b on the diagonal, zeros elsewhere."""
+    H, i1, o1 = a.shape
+    out = a.new_zeros(H, i1 + b.shape[1], o1 + b.shape[2])
+    out[:, :i1, :o1] = a
+    out[:, i1:, o1:] = b
+    return out
 
 
 def _chain_to(c: _Chain, device: torch.device) -> None:

@@ -39,8 +39,9 @@ def _close(got: torch.Tensor, want: torch.Tensor, rel: float) -> None:
 
 
 @pytest.mark.parametrize("depths,residual,layer_norm,arch", [
-    ((0, 4, 4), False, False, "mlp"),  # the default architecture
-    ((2, 2, 3), True, True, "mlp"),  # a backbone, residual hidden layers, layer norm
+    ((0, 4, 4), False, False, "mlp"),  # the default: score and target as one block-diagonal chain
+    ((2, 3, 3), True, False, "mlp"),  # merged chains reading a backbone, residual hidden layers
+    ((2, 2, 3), True, True, "mlp"),  # a backbone, residual hidden layers, layer norm (separate chains)
     ((0, 0, 2), False, False, "mlp"),  # an affine score head reading q
     ((1, 0, 2), False, False, "mlp"),  # an affine score head reading the backbone
     ((0, 4, 4), False, False, "quadrature"),
@@ -53,6 +54,8 @@ def test_fused_module_equals_training_form_float32(depths, residual, layer_norm,
         for layer in range(2):
             A, a = module.predict(layer, q)
             fA, fa = fused.predict(layer, q.transpose(0, 1))  # head-major
+            merged = fused.layers[layer].merged is not None if arch == "mlp" else None
+            assert merged in ({(0, 4, 4): True, (2, 3, 3): True}.get(depths, False), None)
             assert fa.dtype == torch.float32
             _close(fA.transpose(0, 1), A, 2e-5)
             _close(fa.transpose(0, 1), a, 2e-5)
@@ -68,13 +71,13 @@ def test_fused_provider_equals_module_provider_with_gqa():
     _close(got.lse, want.lse, 2e-5)
 
 
-def test_fused_bfloat16_weights_keep_a_float32_log_mass():
+def test_fused_bfloat16_weights_keep_float32_outputs():
     module = _module()
     fused = fuse_module(module, dtype=torch.bfloat16)
     q = torch.randn(3, 32, 16)
     with torch.no_grad():
         A, a = module.predict(0, q.transpose(0, 1))
         fA, fa = fused.predict(0, q)
-    assert fa.dtype == torch.float32 and fA.dtype == torch.bfloat16
+    assert fa.dtype == torch.float32 and fA.dtype == torch.float32  # output layers run in float32
     _close(fa.transpose(0, 1), a, 1e-2)
     _close(fA.transpose(0, 1), A, 2e-2)
