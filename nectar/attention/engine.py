@@ -20,7 +20,9 @@ temperature, top-p, seed and callbacks) runs as:
 """
 from __future__ import annotations
 
+import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -30,6 +32,9 @@ from ..models import BaseModel
 from .interface import DocStateProvider, nectar_attention
 from .local_cache import LocalKV
 from .sampling import SamplingParams, sample
+
+CAPACITY_STEP = 64  # local-cache capacities are rounded up to this, so runs of similar size share buffers
+BUFFER_SETS = 4  # buffer sets (and their CUDA graphs) an engine keeps, least recently used dropped
 
 # (row index in the request list, token) → True to end that row after this token
 OnToken = Callable[[int, int], bool | None]
@@ -103,6 +108,17 @@ class DecodeEngine:
         if self.cuda_graphs and not on_cuda:
             raise ValueError("cuda_graphs needs the model on CUDA")
         self.static_shapes = static_shapes or self.cuda_graphs
+        self._buffers: OrderedDict[tuple[int, int], _Buffers] = OrderedDict()
+        self._lock = threading.Lock()  # one batch at a time: runs share the engine's buffers
+
+    def buffers(self, b: int, capacity: int) -> "_Buffers":
+        key = (b, capacity)
+        if key not in self._buffers:
+            self._buffers[key] = _Buffers(self, b, capacity)
+            while len(self._buffers) > BUFFER_SETS:
+                self._buffers.popitem(last=False)
+        self._buffers.move_to_end(key)
+        return self._buffers[key]
 
     # ----- public API -----
 
@@ -120,10 +136,14 @@ class DecodeEngine:
             if r.max_new_tokens < 1 or not len(r.prompt):
                 raise ValueError(f"every request needs a non-empty prompt and max_new_tokens >= 1, got "
                                  f"{len(r.prompt)} prompt tokens and max_new_tokens={r.max_new_tokens}")
+        with self._lock:
+            return self._run(requests, on_token, logits_hook)
+
+    def _run(self, requests, on_token, logits_hook) -> GenerationResult:
         check_every = 1 if logits_hook is not None else self.check_every
         batch = _Batch(self, requests)
         t0 = time.perf_counter()
-        with nectar_attention(self.base.model, self.provider, local_kv=batch.kv):
+        with nectar_attention(self.base.model, self.provider, local_kv=batch):
             logits = batch.prefill()
             tokens = batch.sample(logits, logits_hook)  # token 0 of every row
             batch.record(tokens)
@@ -148,33 +168,62 @@ class DecodeEngine:
     @torch.inference_mode()
     def prefill_logits(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
         """The next-token logits [b, V] after each prompt (what the first token is sampled from)."""
-        batch = _Batch(self, [Request(p, 1) for p in prompts])
-        with nectar_attention(self.base.model, self.provider, local_kv=batch.kv):
-            return batch.prefill()
+        with self._lock:
+            batch = _Batch(self, [Request(p, 1) for p in prompts])
+            with nectar_attention(self.base.model, self.provider, local_kv=batch):
+                return batch.prefill()
+
+
+class _Buffers:
+    """The device state of ``b`` rows with room for ``capacity`` local tokens. An engine keeps a few
+    and reuses them for every run of the same shape, so the CUDA graphs captured over them are
+    reused too (a graph replays fixed addresses)."""
+
+    def __init__(self, engine: DecodeEngine, b: int, capacity: int):
+        base, dev = engine.base, engine.device
+        self.kv = LocalKV(base.num_layers, b, base.num_kv_heads, base.num_q_heads, base.head_dim, capacity, dev,
+                          engine.static_shapes)
+        self.out = torch.zeros((b, capacity), dtype=torch.long, device=dev)  # sampled tokens per row
+        self.next_tok = torch.zeros(b, dtype=torch.long, device=dev)  # [b] input of the next step
+        self.pos = torch.zeros(b, dtype=torch.long, device=dev)  # [b] its position
+        self.index_t = torch.zeros((), dtype=torch.long, device=dev)  # tokens sampled per row (device)
+        self.temperature = torch.zeros(b, dtype=torch.float32, device=dev)
+        self.top_p = torch.ones(b, dtype=torch.float32, device=dev)
+        self.seeds = torch.zeros(b, dtype=torch.int64, device=dev)
+        self.graphs: dict[tuple, _GraphedStep] = {}  # by the sampler's code path
+
+    def params(self, any_sampled: bool, any_nucleus: bool, any_full: bool) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_p, self.seeds, any_sampled, any_nucleus, any_full)
 
 
 class _Batch:
-    """The device state of one engine run; rows that finish are dropped at host checks."""
+    """One engine run: host rows and the device buffers they decode in; rows that finish leave the
+    batch at host checks (their state moves into the engine's buffers for the smaller batch). The
+    attention function reaches the current buffers through ``attend``."""
 
     def __init__(self, engine: DecodeEngine, requests: Sequence[Request]):
         self.engine = engine
-        base, dev = engine.base, engine.device
         self.rows = [_Row(i, r) for i, r in enumerate(requests)]
         self.active = list(self.rows)  # in device row order
         self.width = max(len(r.prompt) for r in requests)
         self.max_new = max(r.max_new_tokens for r in requests)
-        b = len(requests)
-        self.kv = LocalKV(base.num_layers, b, base.num_kv_heads, base.num_q_heads, base.head_dim,
-                          self.width + self.max_new, dev, engine.static_shapes)
-        self.params = SamplingParams.make([r.temperature for r in requests], [r.top_p for r in requests],
-                                          [r.seed for r in requests], dev)
-        self.out = torch.zeros((b, self.max_new), dtype=torch.long, device=dev)  # sampled tokens
+        self.capacity = -(-(self.width + self.max_new) // CAPACITY_STEP) * CAPACITY_STEP
+        self.bufs = engine.buffers(len(requests), self.capacity)
+        self.bufs.kv.reset()
+        self.bufs.index_t.zero_()
+        self.bufs.temperature.copy_(torch.tensor([float(r.temperature) for r in requests]))
+        self.bufs.top_p.copy_(torch.tensor([float(r.top_p) for r in requests]))
+        self.bufs.seeds.copy_(torch.tensor([int(r.seed) & 0x7FFF_FFFF_FFFF_FFFF for r in requests], dtype=torch.int64))
+        self.params = self.bufs.params(*_sampler_path(requests))
         self.index = 0  # tokens sampled per row so far (the answer position of the next one)
         self.checked = 0  # tokens already handed to the host
-        self.next_tok = torch.zeros(b, dtype=torch.long, device=dev)  # [b] input of the next step
-        self.pos = torch.zeros(b, dtype=torch.long, device=dev)  # [b] its position
-        self.index_t = torch.zeros((), dtype=torch.long, device=dev)  # device copy of ``index``
-        self._graphs: dict[int, _GraphedStep] = {}
+
+    @property
+    def kv(self) -> LocalKV:
+        return self.bufs.kv
+
+    def attend(self, layer, q, k, v, scaling, doc) -> torch.Tensor:
+        return self.bufs.kv.attend(layer, q, k, v, scaling, doc)
 
     # ----- device work -----
 
@@ -193,48 +242,52 @@ class _Batch:
         self.kv.begin_prefill(real)
         logits = e.base.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=1).logits
         self.kv.end_forward(w)
-        self.pos = positions[:, -1] + 1
+        self.bufs.pos.copy_(positions[:, -1] + 1)
         return logits[:, -1].float()  # [b, V]
 
     def forward_step(self) -> torch.Tensor:
         """One decode forward over ``next_tok`` at ``pos`` → logits [b, V] (float32)."""
-        self.kv.begin_decode_step()
-        logits = self.engine.base.model(input_ids=self.next_tok[:, None], position_ids=self.pos[:, None],
+        bufs = self.bufs
+        bufs.kv.begin_decode_step()
+        logits = self.engine.base.model(input_ids=bufs.next_tok[:, None], position_ids=bufs.pos[:, None],
                                         use_cache=False, logits_to_keep=1).logits
-        self.kv.end_forward(1)
-        self.pos += 1
+        bufs.kv.end_forward(1)
+        bufs.pos += 1
         return logits[:, -1].float()
 
     def sample(self, logits: torch.Tensor, hook: LogitsHook | None) -> torch.Tensor:
         if hook is not None:
             hook(logits, [r.index for r in self.active])
-        host_checks = not self.engine.static_shapes
-        return sample(logits, self.params, self.index_t if self.engine.static_shapes else self.index, host_checks)
+        static = self.engine.static_shapes
+        return sample(logits, self.params, self.bufs.index_t if static else self.index, host_checks=not static)
 
     def record(self, tokens: torch.Tensor) -> None:
+        bufs = self.bufs
         if self.engine.static_shapes:
-            self.out.index_copy_(1, self.index_t.view(1), tokens[:, None])
-            self.index_t += 1
+            bufs.out.index_copy_(1, bufs.index_t.view(1), tokens[:, None])
         else:
-            self.out[:, self.index] = tokens
-        self.next_tok.copy_(tokens)
+            bufs.out[:, self.index] = tokens
+        bufs.index_t += 1
+        bufs.next_tok.copy_(tokens)
         self.index += 1
 
     def graph_step(self) -> None:
-        """forward + sample + record, replayed from a CUDA graph captured for this batch size."""
-        b = len(self.active)
-        if b not in self._graphs:
-            self._graphs[b] = _GraphedStep(self)
-        self._graphs[b].replay()
+        """forward + sample + record, replayed from a CUDA graph captured over these buffers."""
+        p = self.params
+        key = (p.any_sampled, p.any_nucleus, p.any_full)
+        if key not in self.bufs.graphs:
+            self.bufs.graphs[key] = _GraphedStep(self)
+        self.bufs.graphs[key].replay()
         self.kv.length += 1  # host mirrors of what the graph advanced on the device
         self.index += 1
 
     def _static_step(self) -> None:
-        """The captured body: reads and writes only preallocated device buffers."""
-        tokens = sample(self.forward_step(), self.params, self.index_t, host_checks=False)
-        self.out.index_copy_(1, self.index_t.view(1), tokens[:, None])
-        self.index_t += 1
-        self.next_tok.copy_(tokens)
+        """The captured body: reads and writes only the buffers' preallocated device tensors."""
+        bufs = self.bufs
+        tokens = sample(self.forward_step(), self.params, bufs.index_t, host_checks=False)
+        bufs.out.index_copy_(1, bufs.index_t.view(1), tokens[:, None])
+        bufs.index_t += 1
+        bufs.next_tok.copy_(tokens)
 
     # ----- host work -----
 
@@ -242,7 +295,7 @@ class _Batch:
         """Hand the tokens sampled since the last check to their rows; drop rows that finished."""
         if self.index == self.checked or not self.active:
             return
-        block = self.out[:, self.checked:self.index].tolist()  # the one host read per check
+        block = self.bufs.out[:, self.checked:self.index].tolist()  # the one host read per check
         for row, toks in zip(self.active, block):
             for tok in toks:
                 if row.finish_reason is not None:
@@ -262,15 +315,26 @@ class _Batch:
             self._select(keep)
 
     def _select(self, keep: list[int]) -> None:
+        """Move the rows in ``keep`` into the engine's buffers for a batch of len(keep)."""
         self.active = [self.active[j] for j in keep]
         if not keep:
             return
+        old = self.bufs
         rows = torch.tensor(keep, dtype=torch.long, device=self.engine.device)
-        self.kv.select(rows)
-        self.params = self.params.select(rows)
-        self.out, self.next_tok, self.pos = self.out[rows], self.next_tok[rows], self.pos[rows]
-        self._graphs.clear()  # captured over the old buffers
+        new = self.engine.buffers(len(keep), self.capacity)
+        new.kv.copy_rows(old.kv, rows)
+        for name in ("out", "next_tok", "pos", "temperature", "top_p", "seeds"):
+            getattr(new, name).copy_(getattr(old, name)[rows])
+        new.index_t.copy_(old.index_t)
+        self.bufs = new
+        self.params = new.params(*_sampler_path([r.request for r in self.active]))
         self.max_new = max(r.request.max_new_tokens for r in self.active)
+
+
+def _sampler_path(requests: Sequence[Request]) -> tuple[bool, bool, bool]:
+    """(any sampled row, any nucleus row, any full-softmax row): which sampler paths a batch needs."""
+    sampled = [r for r in requests if r.temperature > 0]
+    return bool(sampled), any(r.top_p < 1.0 for r in sampled), any(r.top_p >= 1.0 for r in sampled)
 
 
 class _GraphedStep:
@@ -284,7 +348,8 @@ class _GraphedStep:
     _pool = None
 
     def __init__(self, batch: _Batch, warmup: int = 2):
-        state = [batch.next_tok, batch.pos, batch.index_t, batch.kv.slot, batch.kv.bias, batch.out]
+        b = batch.bufs
+        state = [b.next_tok, b.pos, b.index_t, b.kv.slot, b.kv.bias, b.out]
         saved, length = [t.clone() for t in state], batch.kv.length
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())

@@ -46,7 +46,7 @@ class _Active:
         self.provider = provider
         self.recorder = recorder
         self.segments = segments
-        self.local_kv = local_kv  # a local_cache.LocalKV when the decode engine runs the model
+        self.local_kv = local_kv  # the decode engine's batch (attends through its local_cache.LocalKV)
 
 
 _ACTIVE: dict[int, _Active] = {}
@@ -136,8 +136,9 @@ def nectar_attention(
 
     ``segments``: the forwards inside the block take one packed row of several query sequences, the
     (start, stop) ranges given here, each attending only to itself locally (see ``_packed_local_state``).
-    ``local_kv``: the decode engine's cache (``local_cache.LocalKV``); the model is then called with
-    ``use_cache=False`` and no attention mask, and every layer attends through it.
+    ``local_kv``: the decode engine's batch, any object with ``attend(layer, q, k, v, scaling, doc)``
+    over its local cache (``local_cache.LocalKV``); the model is then called with ``use_cache=False``
+    and no attention mask, and every layer attends through it.
     """
     # Attention layers may hold a sub-config (multimodal wrappers); key by each layer's config.
     config_ids = {id(mod.config) for mod in model.modules() if hasattr(mod, "layer_idx") and hasattr(mod, "config")}

@@ -54,6 +54,21 @@ class LocalKV:
     def batch(self) -> int:
         return self.k.shape[1]
 
+    def reset(self) -> None:
+        """Empty (for reuse by another batch of the same shape): every slot masked, nothing written."""
+        self.bias.fill_(NEG_INF)
+        self.length = 0
+        self.slot.fill_(self.g)
+        self.prefill_mask = None
+
+    def copy_rows(self, other: "LocalKV", rows: torch.Tensor) -> None:
+        """Take rows ``rows`` of ``other`` (a larger batch of the same capacity) as this cache's rows."""
+        self.k.copy_(other.k[:, rows])
+        self.v.copy_(other.v[:, rows])
+        self.bias.copy_(other.bias[rows])
+        self.slot.copy_(other.slot)
+        self.length = other.length
+
     # ----- bookkeeping around each forward (called by the engine) -----
 
     def begin_prefill(self, real: torch.Tensor) -> None:
@@ -80,10 +95,6 @@ class LocalKV:
     def end_forward(self, m: int) -> None:
         self.length += m
         self.slot += m
-
-    def select(self, rows: torch.Tensor) -> None:
-        """Keep only ``rows`` (finished rows leave the batch)."""
-        self.k, self.v, self.bias = self.k[:, rows], self.v[:, rows], self.bias[rows]
 
     # ----- attention (called by the attention function of every layer) -----
 
