@@ -76,7 +76,7 @@ def same_architecture(base: BaseModel, plan: ModulePlan, seed: int = 0) -> Modul
         # One "group" per layer with the trained per-layer rho as multiplier reproduces rho_l exactly.
         p = plan_module(plan.arch, plan.num_layers, plan.num_kv_heads, plan.head_dim, n, plan.scaling,
                         plan.rho, tuple(plan.layer_rhos), plan.score_fraction, tuple(plan.depths),
-                        plan.residual, plan.layer_norm, plan.normalize_targets)
+                        plan.residual, plan.layer_norm, plan.normalize_targets, plan.quad_bias)
         keys = values = None
         if p.arch == "quadrature":
             kv = prefill_document(base, list(context_ids)[: max(p.quad_pairs)])

@@ -179,19 +179,26 @@ class FusedLayerMLP:
 
 
 class FusedLayerQuadrature:
-    """a = LSE(s·Wq), A = softmax(s·Wq)ᵀZ with the scaling folded into W; logits and lse in fp32."""
+    """a = LSE(s·Wq + β), A = softmax(s·Wq + β)ᵀZ with the scaling folded into W and β the GEMM's
+    bias input; logits and lse in fp32."""
 
     def __init__(self, layer: LayerQuadrature, dtype: torch.dtype):
         self.Wt = (layer.W.detach().float() * layer.scaling).transpose(1, 2).contiguous().to(dtype)  # [H, d, p]
         self.Z = layer.Z.detach().to(dtype)  # [H, p, d]
+        beta = layer.beta.detach() if layer.beta is not None else torch.zeros(layer.W.shape[:2])
+        self.beta = beta.unsqueeze(1).float()  # [H, 1, p]
         self.dtype = dtype
 
     def to(self, device: torch.device) -> "FusedLayerQuadrature":
-        self.Wt, self.Z = self.Wt.to(device), self.Z.to(device)
+        self.Wt, self.Z, self.beta = self.Wt.to(device), self.Z.to(device), self.beta.to(device)
         return self
 
     def __call__(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = torch.bmm(q.to(self.dtype), self.Wt).float()  # [H, N, p]
+        q = q.to(self.dtype)
+        if self.dtype == torch.float32:
+            logits = torch.baddbmm(self.beta, q, self.Wt)  # [H, N, p], β added by the GEMM
+        else:  # 16-bit weights: logits and β in float32
+            logits = torch.bmm(q, self.Wt).float() + self.beta
         a = torch.logsumexp(logits, dim=-1)  # [H, N]
         A = torch.bmm(torch.softmax(logits, dim=-1).to(self.dtype), self.Z)  # [H, N, d]
         return A, a

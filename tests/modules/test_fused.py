@@ -61,6 +61,21 @@ def test_fused_module_equals_training_form_float32(depths, residual, layer_norm,
             _close(fa.transpose(0, 1), a, 2e-5)
 
 
+def test_fused_quadrature_with_a_log_mass_bias():
+    plan = plan_module("quadrature", num_layers=2, num_kv_heads=3, head_dim=16, n_context=600, scaling=0.25,
+                       rho=0.5, layer_multipliers=(1.0, 2.0), quad_bias=True)
+    module = build_module(plan)
+    with torch.no_grad():
+        for layer in module.layers:
+            layer.beta.normal_(0, 2.0)
+    fused, q = fuse_module(module), torch.randn(40, 3, 16) * 2
+    with torch.no_grad():
+        A, a = module.predict(1, q)
+        fA, fa = fused.predict(1, q.transpose(0, 1))
+    _close(fA.transpose(0, 1), A, 2e-5)
+    _close(fa.transpose(0, 1), a, 2e-5)
+
+
 def test_fused_provider_equals_module_provider_with_gqa():
     module = _module()
     q = torch.randn(2, 9, 5, 16)  # [b, hq = 3 groups of 3, m, d]
