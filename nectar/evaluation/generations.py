@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from ..attention.engine import generate
+from ..attention.engine import DecodeEngine, Request
 from ..layout import PromptLayout
 from ..models import BaseModel
 from ..schemas.artifacts import GenerationRow
@@ -47,8 +47,10 @@ def generate_answers(
     """{model: {pair_id: answer}} for every provider, batched by generation length.
 
     Item i samples with seed ``cfg.seed + i`` for every model, and the engine's draws depend only
-    on a row's seed and token index, so an answer does not depend on the batch it ran in."""
+    on a row's seed and token index, so an answer does not depend on the batch it ran in. One
+    decode engine per model, reused by every batch (its buffers, and on CUDA its decode graphs)."""
     answers: dict[str, dict[str, str]] = {name: {} for name in providers}
+    engines = {name: DecodeEngine(base, provider, layout.n) for name, provider in providers.items()}
     by_len: dict[int, list[tuple[int, GenItem]]] = {}
     for i, it in enumerate(items):
         by_len.setdefault(max_new_tokens(it.task, cfg), []).append((i, it))
@@ -58,9 +60,9 @@ def generate_answers(
             batch = [it for _, it in group[lo: lo + batch_size]]
             seeds = [cfg.seed + i for i, _ in group[lo: lo + batch_size]]
             prompts = [layout.prompt(it.instruction).ids for it in batch]
-            for name, provider in providers.items():
-                res = generate(base, provider, layout.n, prompts, max_new_tokens=length,
-                               temperature=cfg.temperature, top_p=cfg.top_p, seed=seeds)
+            requests = [Request(p, length, cfg.temperature, cfg.top_p, seed) for p, seed in zip(prompts, seeds)]
+            for name, engine in engines.items():
+                res = engine.run(requests)
                 for it, toks in zip(batch, res.tokens):
                     answers[name][it.pair_id] = _decode(base, toks)
                 done += len(batch)
