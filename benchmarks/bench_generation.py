@@ -206,7 +206,8 @@ class HFStatic:
                 for layer in cache.layers:
                     layer.cumulative_length.fill_(0)
                 self.prefill(cache, cold_ids)
-            tok = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1)
+            out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            tok = out.logits[:, -1].argmax(-1)
             tok.tolist()  # the first token on the host, as the engine's TTFT
             t1 = time.perf_counter()
             for _ in range(new_tokens - 1):
@@ -262,10 +263,10 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    from nectar.evaluation.benchmark import (BENCH_PROMPT, REPEATS, context_of_length, ratios, run_benchmark,
-                                             same_architecture, timed_batch)
     from nectar.attention.doc_kv import prefill_document
     from nectar.attention.exact import ExactDocState
+    from nectar.evaluation.benchmark import (BENCH_PROMPT, REPEATS, context_of_length, ratios, run_benchmark,
+                                             same_architecture, timed_batch)
     from nectar.layout import build_layout
     from nectar.models import load_base_model
     from nectar.modules import plan_module
@@ -297,7 +298,8 @@ def main() -> None:
     print(f"bandwidth {bw / 1e9:.1f} GB/s ({bw_note}); weights read per step {wbytes / 1e6:.0f} MB", flush=True)
 
     res = run_benchmark(base, layout.context_ids, prompt, lengths, same_architecture(base, plan),
-                        args.new_tokens, repeats, progress=lambda d, t: print(f"  measured {d}/{t} lengths", flush=True))
+                        args.new_tokens, repeats,
+                        progress=lambda d, t: print(f"  measured {d}/{t} lengths", flush=True))
     for s in res.skipped:
         print("skipped", s)
     table = [dict(n=r.n_context, system=r.system, B=1, ttft_s=r.ttft_s, tok_s=r.decode_tok_s,

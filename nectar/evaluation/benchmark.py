@@ -24,14 +24,14 @@ from typing import Callable, Sequence
 import torch
 
 from ..attention.doc_kv import prefill_document
-from ..attention.exact import ExactDocState
 from ..attention.engine import DecodeEngine, GenerationResult, Request
+from ..attention.exact import ExactDocState
 from ..models import BaseModel
 from ..modules.budget import BudgetError
 from ..modules.builder import ModulePlan, build_module, plan_module
 from ..modules.provider import inference_provider
-from .memory import track_peak_memory
 from ..schemas.artifacts import BenchmarkRow
+from .memory import track_peak_memory
 
 BENCH_PROMPT = "Summarize the document in two sentences."
 REPEATS = 3  # median of 3: one 32-token decode on a shared machine is too noisy to compare

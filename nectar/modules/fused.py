@@ -121,7 +121,8 @@ class FusedLayerMLP:
         hidden = []
         for k in range(depth):
             if k == 0 and reads_q:
-                sl = q_term(torch.cat([p["score_U0"], p["target_U0"]], -1), torch.cat([p["score_b0"], p["target_b0"]], -1))
+                sl = q_term(torch.cat([p["score_U0"], p["target_U0"]], -1),
+                            torch.cat([p["score_b0"], p["target_b0"]], -1))
                 hidden.append(_Hidden(sl, None, None, None))
             elif k == 0:  # both read the backbone's output: U_0 side by side, not block-diagonal
                 U = torch.cat([p["score_U0"], p["target_U0"]], -1).to(dtype)
