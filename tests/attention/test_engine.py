@@ -135,18 +135,32 @@ def test_batched_rows_of_different_lengths_equal_one_at_a_time(fixture, request,
             assert together.tokens[i][step] == alone.tokens[0][step]
 
 
-def test_per_row_budgets_stop_ids_and_finish_reasons(tiny_llama, document):
+@pytest.mark.parametrize("static_shapes", [False, True])
+def test_rows_leaving_the_batch_keep_their_state(tiny_llama, document, static_shapes):
+    """Per-row budgets: rows finish at steps 2, 5 and 9 and leave the batch (their cache, positions
+    and sampling state move into the engine's smaller buffers); every step's logits of every row
+    stay the ones it gets alone."""
     layout, kv, prompts = _setup(tiny_llama, document)
-    engine = DecodeEngine(tiny_llama, ExactDocState(kv), layout.n, stop_ids=())
-    free = engine.run([Request(prompts[0], 9)])
-    stop = free.tokens[0][3]  # make the 4th greedy token a stop id
-    engine = DecodeEngine(tiny_llama, ExactDocState(kv), layout.n, stop_ids=(stop,))
-    res = engine.run([Request(prompts[0], 9), Request(prompts[1], 2), Request(prompts[2], 5)])
-    first_stop = free.tokens[0].index(stop)
-    assert res.tokens[0] == free.tokens[0][:first_stop] and res.finish_reasons[0] == "stop"
-    assert len(res.tokens[1]) <= 2 and len(res.tokens[2]) <= 5
-    for toks, reason, budget in zip(res.tokens[1:], res.finish_reasons[1:], (2, 5)):
-        assert reason == ("stop" if len(toks) < budget else "length")
+    engine = DecodeEngine(tiny_llama, ExactDocState(kv), layout.n, stop_ids=(), static_shapes=static_shapes)
+    reqs = [Request(prompts[0], 9), Request(prompts[1], 2), Request(prompts[2], 5)]
+    res, seen = _capture_logits(engine, reqs)
+    assert [len(t) for t in res.tokens] == [9, 2, 5] and res.finish_reasons == ["length"] * 3
+    for i, r in enumerate(reqs):
+        alone, seen_alone = _capture_logits(engine, [r])
+        assert len(seen[i]) == len(seen_alone[0]) == r.max_new_tokens
+        torch.testing.assert_close(torch.stack(seen[i]), torch.stack(seen_alone[0]), atol=LOGIT_ATOL, rtol=0)
+
+
+def test_stop_id_ends_a_row_without_keeping_the_stop_token(tiny_llama, document):
+    layout, kv, prompts = _setup(tiny_llama, document)
+    kw = dict(temperature=3.0, top_p=1.0, seed=5)  # a flat distribution: varied tokens
+    free = DecodeEngine(tiny_llama, ExactDocState(kv), layout.n, stop_ids=()).run([Request(prompts[0], 12, **kw)])
+    toks = free.tokens[0]
+    k = next(i for i in range(1, len(toks)) if toks[i] not in toks[:i])  # a token first seen at step k > 0
+    engine = DecodeEngine(tiny_llama, ExactDocState(kv), layout.n, stop_ids=(toks[k],))
+    res = engine.run([Request(prompts[0], 12, **kw), Request(prompts[1], 12, **kw)])
+    assert res.tokens[0] == toks[:k] and res.finish_reasons[0] == "stop"
+    assert toks[k] not in res.tokens[1] and res.finish_reasons[1] in ("stop", "length")
 
 
 def test_on_token_streams_in_order_can_end_a_row_and_an_exception_ends_the_batch(tiny_llama, document):
