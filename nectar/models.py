@@ -133,12 +133,71 @@ def _tiny(kind: str) -> tuple[torch.nn.Module, object]:
     return model.float().eval(), tok
 
 
-def _weights_fingerprint(model: torch.nn.Module, name: str) -> str:
-    h = hashlib.sha256(name.encode())
-    h.update(json.dumps(model.config.to_dict(), sort_keys=True, default=str).encode())
-    for _, p in list(model.named_parameters())[:: max(1, len(list(model.parameters())) // 16)]:
-        h.update(p.detach().float().flatten()[:4096].cpu().numpy().tobytes())
+_VOLATILE_CONFIG_KEYS = ("transformers_version", "dtype", "torch_dtype")
+WEIGHTS_HASH_CACHE = "weights-hashes.json"
+
+
+def _weights_fingerprint(model: torch.nn.Module, folder: Path | None = None) -> str:
+    """A digest of ALL the model's weights, its effective configuration (RoPE scaling included) and
+    the dtype it runs in. Loaded from a folder: every file in it, streamed, cached per folder
+    (``folder_digest``); built in-process (tiny models): every parameter tensor."""
+    cfg = {k: v for k, v in model.config.to_dict().items()
+           if not k.startswith("_") and k not in _VOLATILE_CONFIG_KEYS}
+    h = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode())
+    h.update(str(next(model.parameters()).dtype).encode())
+    if folder is not None:
+        h.update(folder_digest(folder).encode())
+    else:
+        for name, p in model.state_dict().items():
+            t = p.detach().cpu().contiguous()
+            h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()[:16]
+
+
+def folder_digest(folder: Path) -> str:
+    """sha256 over every file of a model folder (weights, config, tokenizer), read once: the result
+    is cached under the cache folder, keyed by the files' names, sizes, mtimes and ctimes (a write
+    into a file changes its ctime even when its mtime is put back)."""
+    from .storage import atomic_write
+
+    folder = folder.resolve()
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and not any(part.startswith(".")
+                                                                            for part in p.relative_to(folder).parts))
+    stats = [(p, p.stat()) for p in files]
+    listing = [(str(p.relative_to(folder)), st.st_size, st.st_mtime_ns, st.st_ctime_ns) for p, st in stats]
+    key = hashlib.sha256(json.dumps(listing).encode()).hexdigest()
+    cache_file = cache_dir() / WEIGHTS_HASH_CACHE
+    try:
+        cached = json.loads(cache_file.read_text())
+    except (OSError, ValueError):
+        cached = {}
+    hit = cached.get(str(folder))
+    if hit and hit.get("key") == key:
+        return hit["digest"]
+    h = hashlib.sha256()
+    for p in files:
+        h.update(f"{p.relative_to(folder)}\0".encode())
+        with open(p, "rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                h.update(block)
+    digest = h.hexdigest()
+    cached[str(folder)] = {"key": key, "digest": digest}
+    atomic_write(str(cache_file), json.dumps(cached, indent=1))
+    return digest
+
+
+def _model_folder(name: str, path) -> Path | None:
+    """The local folder a model was loaded from (a path, or a hub id's snapshot in the HF cache)."""
+    if Path(str(path)).expanduser().is_dir():
+        return Path(str(path)).expanduser()
+    try:
+        from transformers.utils import cached_file
+
+        config = cached_file(name, "config.json", local_files_only=True)
+        return Path(config).parent if config else None
+    except Exception:
+        return None
 
 
 def _resolve_device(device: str) -> torch.device:
@@ -153,6 +212,7 @@ def load_base_model(cfg: ModelConfig) -> BaseModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dtype = getattr(torch, cfg.dtype)
+    folder = None
     if cfg.name.startswith("tiny:"):
         model, tok = _tiny(cfg.name.split(":", 1)[1])
         model = model.to(dtype)
@@ -160,6 +220,10 @@ def load_base_model(cfg: ModelConfig) -> BaseModel:
         path = embedded_smollm2_dir() if cfg.name == "embedded:smollm2-135m" else cfg.name
         if cfg.name.startswith("embedded:") and cfg.name != "embedded:smollm2-135m":
             raise ModelLoadError(f"unknown embedded model {cfg.name!r}; only embedded:smollm2-135m ships")
+        if cfg.name.startswith(("/", ".", "~")) and not Path(cfg.name).expanduser().is_dir():
+            raise ModelLoadError(f"model.name {cfg.name!r}: no such model folder; give a local Hugging Face model "
+                                 "folder (config.json + weights), a model id in the local HF cache, "
+                                 "embedded:smollm2-135m or tiny:llama")
         kwargs = {}
         if cfg.yarn_factor:
             from transformers import AutoConfig
@@ -174,6 +238,7 @@ def load_base_model(cfg: ModelConfig) -> BaseModel:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
         except OSError as exc:
             raise ModelLoadError(f"cannot load model {cfg.name!r} offline: {exc}") from exc
+        folder = _model_folder(cfg.name, path)
     model = model.to(_resolve_device(cfg.device)).eval()
     for p in model.parameters():
         p.requires_grad_(False)
@@ -182,7 +247,7 @@ def load_base_model(cfg: ModelConfig) -> BaseModel:
     c = model.config
     window = cfg.max_context_tokens or int(c.max_position_embeddings * (cfg.yarn_factor or 1))
     return BaseModel(
-        model=model, tokenizer=tok, name=cfg.name, weights_hash=_weights_fingerprint(model, cfg.name),
+        model=model, tokenizer=tok, name=cfg.name, weights_hash=_weights_fingerprint(model, folder),
         num_layers=c.num_hidden_layers, num_q_heads=c.num_attention_heads,
         num_kv_heads=c.num_key_value_heads,
         head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,

@@ -11,9 +11,9 @@ hashes and code version — matches. Nothing here imports Prefect: flows and the
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import re
+import sys
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -22,11 +22,11 @@ from typing import Any, Callable
 
 import fsspec
 
-from . import __version__
+from . import __version__, integrity
 from .schemas.artifacts import StageManifest
 from .schemas.base import FrozenConfig, stable_hash
 from .schemas.config import STAGES
-from .storage import atomic_write
+from .storage import atomic_write, written_digests
 from .tables import ArtifactError, read_json_artifact, write_json_artifact
 
 CODE_VERSION = __version__
@@ -102,29 +102,19 @@ class RunDir:
 
 
 def hash_url(url: str) -> str:
-    """Content hash of a file, or of a directory's listing (names and sizes) for large stores."""
+    """Content digest of a file (sha256) or of a folder (``tree:`` over its files' sha256)."""
     fs, path = fsspec.core.url_to_fs(url)
-    if not fs.exists(path):
-        raise ArtifactError(f"{url}: missing")
-    h = hashlib.sha256()
-    if fs.isdir(path):
-        for info in sorted(fs.find(path, detail=True).values(), key=lambda i: i["name"]):
-            rel = info["name"][len(path):]
-            if rel.endswith("manifest.json"):
-                continue
-            h.update(f"{rel}:{info.get('size')}".encode())
-            if info.get("size", 0) <= 1 << 16:  # small files (metadata, headers): hash contents
-                h.update(fs.cat_file(info["name"]))
-        return "dir:" + h.hexdigest()
-    with fs.open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    parent, name = path.rstrip("/").rsplit("/", 1) if "/" in path.rstrip("/") else ("", path)
+    files = integrity.digest_outputs(fs, parent, [name])
+    return integrity.output_digest(files, name)
 
 
-def cache_key(stage: str, config: FrozenConfig | dict[str, Any], inputs: dict[str, str]) -> str:
+def cache_key(stage: str, config: FrozenConfig | dict[str, Any], inputs: dict[str, str],
+              code: str | None = None) -> str:
+    """What a stage's result is a function of: its config (minus resource-only fields), the content
+    digests of its inputs and the digest of the code it runs (``code``; default: the release)."""
     cfg = config.cache_dict() if isinstance(config, FrozenConfig) else config
-    return stable_hash({"stage": stage, "config": cfg, "inputs": inputs, "code": CODE_VERSION})
+    return stable_hash({"stage": stage, "config": cfg, "inputs": inputs, "code": code or CODE_VERSION})
 
 
 @dataclass
@@ -144,6 +134,22 @@ class StageFailed(RuntimeError):
 
 # What a stage body returns: the output files (relative to the stage dir) and its counts.
 StageResult = tuple[list[str], dict[str, Any]]
+# Redo only the damaged part of a stage's outputs: given the changed files, fix the stage's own
+# resume state so its body rebuilds them; return the changes it did not handle.
+Repair = Callable[[str, list[integrity.Change]], list[integrity.Change]]
+ATTEMPT = "attempt.json"  # the cache key the stage's partial files were made for
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def check_stage(run: RunDir, stage: str, manifest: StageManifest) -> list[integrity.Change]:
+    """How a completed stage's outputs differ from its manifest (empty: intact; reads every byte)."""
+    if manifest.outputs and not manifest.files:
+        return [integrity.Change("manifest.json", "unrecorded")]
+    fs, path = fsspec.core.url_to_fs(run.url(stage))
+    return integrity.check_outputs(fs, path, manifest.files, manifest.outputs)
 
 
 def run_stage(
@@ -153,43 +159,102 @@ def run_stage(
     inputs: dict[str, str],
     body: Callable[[str], StageResult],
     force: bool = False,
+    code: str | None = None,
+    repair: Repair | None = None,
+    notify: Callable[[str], None] = _stderr,
 ) -> StageOutcome:
-    """Run ``body(stage_url)`` unless a manifest with the same cache key exists.
+    """Run ``body(stage_url)`` unless a manifest with the same cache key exists AND the outputs on
+    disk still match the digests it recorded.
 
     The manifest is removed before the body starts and written after it returns, so a run killed
-    mid-stage never looks complete; the body itself resumes from whatever partial files it left.
+    mid-stage never looks complete. The body resumes from the partial files it left only when
+    they were made for the same cache key (``attempt.json``) and the run isn't forced; otherwise
+    the stage folder starts empty. Damaged outputs of a completed stage are removed (or handed to
+    ``repair``) and the body rebuilds them, with one line through ``notify`` naming the file.
     """
     if stage not in STAGES and stage != "document":
         raise ValueError(f"unknown stage {stage!r}")
-    key = cache_key(stage, config, inputs)
-    existing = run.read_manifest(stage)
+    code = code or CODE_VERSION
+    key = cache_key(stage, config, inputs, code)
+    try:
+        existing = run.read_manifest(stage)
+    except ArtifactError as exc:
+        notify(f"{stage}: {exc}; redoing {stage}")
+        existing = None
+    damaged: list[integrity.Change] = []
     if existing is not None and existing.cache_key == key and not force:
-        _record_invocation(run, stage, "cached")
-        return StageOutcome(stage, "cached", existing, existing.outputs)
+        damaged = check_stage(run, stage, existing)
+        if not damaged:
+            _record_invocation(run, stage, "cached")
+            return StageOutcome(stage, "cached", existing, existing.outputs)
+        notify(f"{stage}: {integrity.summarize(stage, damaged)} since the stage completed; redoing {stage}")
     run.invalidate(stage)
     run.clear_error(stage)
+    if damaged:
+        _remove_damaged(run, stage, existing, damaged, repair)
+    elif force or _attempt_key(run, stage) != key:
+        _clear_stage(run, stage)  # partial files of another configuration/inputs/code, or a forced redo
     stage_url = run.makedirs(stage)
+    atomic_write(run.url(stage, ATTEMPT), json.dumps({"cache_key": key, "started_at": now()}))
     started, t0 = now(), time.perf_counter()
     try:
-        files, counts = body(stage_url)
+        with written_digests(stage_url) as written:
+            files, counts = body(stage_url)
+        fs, path = fsspec.core.url_to_fs(stage_url)
+        digests = integrity.digest_outputs(fs, path, files, written)
     except BaseException as exc:
-        run.write_error(stage, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}")
-        _record_invocation(run, stage, "failed")
+        try:
+            run.write_error(stage, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}")
+            _record_invocation(run, stage, "failed")
+        except OSError as record_exc:  # e.g. the disk that made the stage fail is full: report the stage's error
+            notify(f"{stage}: could not record the failure in {run.url(stage)} ({record_exc})")
         try:
             exc._nectar_recorded = True  # so callers don't record it twice
+            exc._nectar_stage = stage  # so the CLI's one line names the stage
         except AttributeError:
             pass
         raise
-    outputs = {name: hash_url(run.url(stage, name)) for name in files}
+    outputs = {name: integrity.output_digest(digests, name) for name in files}
     cfg = config.cache_dict() if isinstance(config, FrozenConfig) else config
     manifest = StageManifest(
         stage=stage, cache_key=key, config=cfg, inputs=inputs, outputs=outputs,
-        code_version=CODE_VERSION, counts=counts, started_at=started, finished_at=now(),
-        duration_s=round(time.perf_counter() - t0, 3),
+        code_version=code, counts=counts, started_at=started, finished_at=now(),
+        duration_s=round(time.perf_counter() - t0, 3), files=digests,
     )
     write_json_artifact(run.manifest_url(stage), manifest)
     _record_invocation(run, stage, "done")
     return StageOutcome(stage, "done", manifest, outputs)
+
+
+def _attempt_key(run: RunDir, stage: str) -> str | None:
+    fs, path = fsspec.core.url_to_fs(run.url(stage, ATTEMPT))
+    try:
+        return json.loads(fs.cat_file(path)).get("cache_key")
+    except (FileNotFoundError, ValueError, AttributeError):
+        return None
+
+
+def _clear_stage(run: RunDir, stage: str) -> None:
+    fs, path = fsspec.core.url_to_fs(run.url(stage))
+    if fs.exists(path):
+        fs.rm(path, recursive=True)
+
+
+def _remove_damaged(run: RunDir, stage: str, manifest: StageManifest, damaged: list[integrity.Change],
+                    repair: Repair | None) -> None:
+    """Remove what changed so the body rebuilds it: a damaged file, or the whole folder output a
+    damaged file belongs to (unless ``repair`` can redo just that part)."""
+    left = repair(run.url(stage), damaged) if repair is not None else damaged
+    fs, base = fsspec.core.url_to_fs(run.url(stage))
+    for change in left:
+        owner = next((name for name in manifest.outputs
+                      if change.path == name or change.path.startswith(name.rstrip("/") + "/")), None)
+        if owner is None:  # e.g. the manifest itself recorded nothing: start the stage over
+            _clear_stage(run, stage)
+            return
+        target = f"{base}/{owner}"
+        if fs.exists(target):
+            fs.rm(target, recursive=True)
 
 
 def record_failure(run: RunDir, stage: str, exc: BaseException) -> None:
@@ -198,6 +263,10 @@ def record_failure(run: RunDir, stage: str, exc: BaseException) -> None:
         return
     run.write_error(stage, f"{type(exc).__name__}: {exc}")
     _record_invocation(run, stage, "failed")
+    try:
+        exc._nectar_recorded, exc._nectar_stage = True, stage
+    except AttributeError:
+        pass
 
 
 def _record_invocation(run: RunDir, stage: str, status: str) -> None:
@@ -213,18 +282,57 @@ def last_invocation(run: RunDir, stage: str) -> dict[str, Any] | None:
         return json.load(f)
 
 
-def stage_status(run: RunDir, stage: str) -> dict[str, Any]:
-    """done / cached / failed / missing, with the manifest's counts and the last error."""
-    manifest = run.read_manifest(stage)
+def stale_reason(run: RunDir, stage: str, manifest: StageManifest) -> str | None:
+    """Why a completed stage no longer counts as cached, or None: an upstream result it was made
+    from has changed (lineage), or its own outputs differ from their digests (integrity)."""
+    for name, digest in manifest.inputs.items():
+        up, _, rel = name.partition("/")
+        if not rel or up not in STAGES:
+            continue
+        upstream = _upstream_manifest(run, up)
+        if upstream is None or upstream.outputs.get(rel) != digest:
+            return f"its input {name} changed since it ran (re-run {up} and what follows)"
+    changes = check_stage(run, stage, manifest)
+    return integrity.summarize(stage, changes) if changes else None
+
+
+def _upstream_manifest(run: RunDir, stage: str) -> StageManifest | None:
+    """The manifest of ``stage`` as this run reads it (a sweep variant reads its parent's)."""
+    try:
+        manifest = run.read_manifest(stage)
+        if manifest is None and run.exists("run.json"):
+            parent = json.loads(run.fs.cat_file(run.local_path("run.json"))).get("parent_run")
+            if parent:
+                manifest = RunDir(parent).read_manifest(stage)
+        return manifest
+    except (ArtifactError, ValueError):
+        return None
+
+
+def stage_status(run: RunDir, stage: str, verify: bool = True) -> dict[str, Any]:
+    """done / cached / stale / failed / missing, with the manifest's counts and the last error.
+
+    ``stale``: completed, but an input changed since or its outputs no longer match the manifest's
+    digests (``verify``: reads every output byte); the next ``nectar run`` redoes it.
+    """
+    try:
+        manifest = run.read_manifest(stage)
+    except ArtifactError as exc:
+        return {"stage": stage, "state": "stale", "counts": {}, "duration_s": None, "finished_at": None,
+                "error": None, "stale": str(exc)}
     last = last_invocation(run, stage) or {}
     error = run.read_error(stage)
+    stale = None
     if last.get("status") == "failed" or (manifest is None and error):
         state = "failed"
     elif manifest is None:
         state = "missing"
     else:
         state = last.get("status", "done")
+        stale = stale_reason(run, stage, manifest) if verify else None
+        if stale:
+            state = "stale"
     return {"stage": stage, "state": state, "counts": manifest.counts if manifest else {},
             "duration_s": manifest.duration_s if manifest else None,
             "finished_at": manifest.finished_at if manifest else None,
-            "error": (error or {}).get("error") if state == "failed" else None}
+            "error": (error or {}).get("error") if state == "failed" else None, "stale": stale}

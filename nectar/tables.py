@@ -85,8 +85,12 @@ def read_table(url: str, cls: type[R]) -> list[R]:
     fs, path = fsspec.core.url_to_fs(url)
     if not fs.exists(path):
         raise ArtifactError(f"{url}: missing (expected a {cls.__name__} table; has its stage run?)")
-    with fs.open(path, "rb") as f:
-        table = pq.read_table(f)
+    try:
+        with fs.open(path, "rb") as f:
+            table = pq.read_table(f)
+    except (pa.ArrowException, OSError) as exc:  # truncated, overwritten, not parquet at all
+        reason = " ".join(str(exc).split())[:200]
+        raise ArtifactError(f"{url}: not a readable {cls.__name__} table ({type(exc).__name__}: {reason})") from None
     meta = table.schema.metadata or {}
     name = meta.get(b"nectar.schema", b"").decode()
     if name != cls.__name__:

@@ -251,7 +251,8 @@ def test_stage_failed_message():
 
 def test_stage_status_missing_done_and_cached(run):
     assert stage_status(run, "verify") == {"stage": "verify", "state": "missing", "counts": {},
-                                           "duration_s": None, "finished_at": None, "error": None}
+                                           "duration_s": None, "finished_at": None, "error": None,
+                                           "stale": None}
     body = Body(run, "verify")
     run_stage(run, "verify", {}, INPUTS, body)
     done = stage_status(run, "verify")
@@ -291,12 +292,12 @@ def test_hash_url_of_files_and_directories(tmp_path):
     d = tmp_path / "store.zarr"
     (d / "q").mkdir(parents=True)
     (d / "zarr.json").write_text('{"shape": [3]}')
-    (d / "q" / "0").write_bytes(b"\x00" * 10)
+    (d / "q" / "0").write_bytes(b"\x01" * (1 << 17))  # a big chunk: its content is hashed too
     dh = hash_url(str(d))
-    assert dh.startswith("dir:") and hash_url(str(d)) == dh
-    (d / "manifest.json").write_text("{}")  # manifests are not content
+    assert dh.startswith("tree:") and hash_url(str(d)) == dh
+    (d / "q" / "0.tmp").write_bytes(b"half")  # an interrupted atomic write is not content
     assert hash_url(str(d)) == dh
-    (d / "zarr.json").write_text('{"shape": [4]}')  # small metadata: contents hashed
+    (d / "q" / "0").write_bytes(b"\x00" * (1 << 17))  # zeroed, same size
     assert hash_url(str(d)) != dh
     dh2 = hash_url(str(d))
     (d / "q" / "1").write_bytes(b"\x01")  # a new chunk
@@ -315,5 +316,157 @@ def test_directory_outputs_are_hashed_into_the_manifest(run):
 
     outcome = run_stage(run, "targets", {}, INPUTS, body)
     assert outcome.outputs["model.zarr"] == hash_url(run.url("targets", "model.zarr"))
-    assert outcome.outputs["model.zarr"].startswith("dir:")
+    assert outcome.outputs["model.zarr"].startswith("tree:")
+    assert set(outcome.manifest.files) == {"model.zarr/meta.json"}
     assert isinstance(outcome.manifest, StageManifest)
+
+
+# --- integrity: cached means the outputs still match their digests --------------------------------
+
+
+def _zarr_like_body(stage_url):
+    """Writes a folder of 'shards' with plain writes (like zarr) and a file through atomic_write."""
+    from nectar.storage import atomic_write
+
+    for i in range(3):
+        os.makedirs(f"{stage_url}/t.zarr/q/c/{i}", exist_ok=True)
+        with open(f"{stage_url}/t.zarr/q/c/{i}/0", "wb") as f:
+            f.write(bytes([i + 1]) * 4096)
+    atomic_write(f"{stage_url}/pairs.parquet", b"PAR1 rows PAR1")
+    return ["t.zarr", "pairs.parquet"], {"shards": 3}
+
+
+def _zero_keeping_mtime(path):
+    st = os.stat(path)
+    with open(path, "r+b") as f:
+        f.write(b"\0" * st.st_size)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # even the old mtime is restored
+
+
+def test_manifest_records_a_digest_per_file(run):
+    import hashlib
+
+    outcome = run_stage(run, "targets", {}, INPUTS, _zarr_like_body)
+    files = outcome.manifest.files
+    assert set(files) == {"pairs.parquet", "t.zarr/q/c/0/0", "t.zarr/q/c/1/0", "t.zarr/q/c/2/0"}
+    assert files["t.zarr/q/c/1/0"].sha256 == hashlib.sha256(b"\x02" * 4096).hexdigest()
+    assert files["pairs.parquet"].sha256 == hashlib.sha256(b"PAR1 rows PAR1").hexdigest()
+    assert outcome.outputs["pairs.parquet"] == files["pairs.parquet"].sha256
+    assert outcome.outputs["t.zarr"].startswith("tree:")
+
+
+def test_atomic_write_digests_are_recorded_not_reread(run, monkeypatch):
+    from nectar import integrity
+
+    read = []
+    real = integrity.hash_file
+    monkeypatch.setattr(integrity, "hash_file", lambda fs, p: read.append(p.rsplit("/", 1)[-1]) or real(fs, p))
+    run_stage(run, "targets", {}, INPUTS, _zarr_like_body)
+    assert "pairs.parquet" not in read and sorted(read) == ["0", "0", "0"]  # the plain writes are read back
+
+
+def test_zeroed_shard_of_the_same_size_is_detected_and_only_that_stage_redone(run):
+    notices = []
+    first = run_stage(run, "targets", {}, INPUTS, _zarr_like_body, notify=notices.append)
+    _zero_keeping_mtime(run.local_path("targets", "t.zarr", "q", "c", "1", "0"))
+    st = stage_status(run, "targets")
+    assert st["state"] == "stale" and st["stale"] == "targets/t.zarr/q/c/1/0 changed (sha256 differs)"
+    again = run_stage(run, "targets", {}, INPUTS, _zarr_like_body, notify=notices.append)
+    assert again.status == "done" and again.outputs == first.outputs  # rebuilt to the same content
+    assert notices == ["targets: targets/t.zarr/q/c/1/0 changed (sha256 differs) since the stage completed; "
+                       "redoing targets"]
+    assert run_stage(run, "targets", {}, INPUTS, _zarr_like_body).status == "cached"
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete", "extra"])
+def test_truncated_deleted_or_added_files_are_detected(run, damage):
+    run_stage(run, "targets", {}, INPUTS, _zarr_like_body)
+    path = run.local_path("targets", "pairs.parquet")
+    if damage == "truncate":
+        with open(path, "r+b") as f:
+            f.truncate(4)
+    elif damage == "delete":
+        os.remove(path)
+    else:
+        with open(run.local_path("targets", "t.zarr", "q", "c", "9"), "wb") as f:
+            f.write(b"x")
+    st = stage_status(run, "targets")
+    expected = {"truncate": "targets/pairs.parquet changed size (14 → 4 bytes)",
+                "delete": "targets/pairs.parquet is missing",
+                "extra": "targets/t.zarr/q/c/9 appeared (not written by the stage)"}[damage]
+    assert st["state"] == "stale" and st["stale"] == expected
+    notices = []
+    assert run_stage(run, "targets", {}, INPUTS, _zarr_like_body, notify=notices.append).status == "done"
+    assert len(notices) == 1 and expected in notices[0]
+    assert stage_status(run, "targets")["state"] == "done"
+
+
+def test_damaged_file_in_a_folder_output_is_handed_to_repair(run):
+    """Without a repair the whole folder output is removed; a stage's repair can redo just a part."""
+    run_stage(run, "targets", {}, INPUTS, _zarr_like_body)
+    _zero_keeping_mtime(run.local_path("targets", "t.zarr", "q", "c", "2", "0"))
+    seen = []
+
+    def repair(stage_url, changes):
+        seen.extend(c.path for c in changes)
+        os.remove(f"{stage_url}/t.zarr/q/c/2/0")  # the stage's own partial redo
+        return []
+
+    present = {}
+
+    def body(stage_url):
+        present.update({i: os.path.exists(f"{stage_url}/t.zarr/q/c/{i}/0") for i in range(3)})
+        return _zarr_like_body(stage_url)
+
+    assert run_stage(run, "targets", {}, INPUTS, body, repair=repair).status == "done"
+    assert seen == ["t.zarr/q/c/2/0"]
+    assert present == {0: True, 1: True, 2: False}  # the intact shards were there to resume from
+
+
+def test_manifest_of_an_older_release_is_never_cached(run):
+    run_stage(run, "chunk", {}, INPUTS, Body(run))
+    path = run.url("chunk", "manifest.json")
+    data = json.loads(open(path).read())
+    data.pop("files")
+    with open(path, "w") as f:
+        json.dump(data, f)
+    body = Body(run)
+    assert run_stage(run, "chunk", {}, INPUTS, body).status == "done" and body.calls == 1
+
+
+def test_changed_upstream_output_makes_downstream_stale(run):
+    run_stage(run, "chunk", {}, INPUTS, Body(run, "chunk"))
+    chunk = run.read_manifest("chunk")
+    downstream_inputs = {**INPUTS, **{f"chunk/{k}": v for k, v in chunk.outputs.items()}}
+    run_stage(run, "synthesize", {}, downstream_inputs, Body(run, "synthesize"))
+    assert stage_status(run, "synthesize")["state"] == "done"
+    run_stage(run, "chunk", {"words": 2}, INPUTS, Body(run, "chunk", text="other rows"))
+    st = stage_status(run, "synthesize")
+    assert st["state"] == "stale" and "its input chunk/out.txt changed" in st["stale"]
+
+
+def test_partial_files_are_resumed_only_for_the_same_key(run):
+    def body(stage_url):
+        marker = f"{stage_url}/partial.txt"
+        seen = os.path.exists(marker)
+        with open(marker, "w") as f:
+            f.write("x")
+        if not seen:
+            raise RuntimeError("killed")
+        return ["partial.txt"], {"resumed": seen}
+
+    with pytest.raises(RuntimeError):
+        run_stage(run, "chunk", {"a": 1}, INPUTS, body)
+    assert run_stage(run, "chunk", {"a": 1}, INPUTS, body).manifest.counts == {"resumed": True}
+    with pytest.raises(RuntimeError):  # another configuration: the folder starts empty
+        run_stage(run, "chunk", {"a": 2}, INPUTS, body)
+    with pytest.raises(RuntimeError):  # forced: starts empty too
+        run_stage(run, "chunk", {"a": 2}, INPUTS, body, force=True)
+
+
+def test_code_version_enters_the_key(run):
+    body = Body(run)
+    run_stage(run, "chunk", {}, INPUTS, body, code="0.2.0+aaaa")
+    assert run_stage(run, "chunk", {}, INPUTS, body, code="0.2.0+aaaa").status == "cached"
+    again = run_stage(run, "chunk", {}, INPUTS, body, code="0.2.0+bbbb")
+    assert again.status == "done" and again.manifest.code_version == "0.2.0+bbbb" and body.calls == 2

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from ..integrity import stable_safetensors
 from ..models import BaseModel
 from ..storage import atomic_write
 
@@ -62,7 +63,7 @@ def save_doc_kv(doc_kv: DocKV, url: str, meta: dict[str, str]) -> None:
     tensors = {f"k.{i}": k.cpu() for i, k in enumerate(doc_kv.keys)}
     tensors.update({f"v.{i}": v.cpu() for i, v in enumerate(doc_kv.values)})
     blob = st_save(tensors, metadata={k: str(v) for k, v in meta.items()})
-    atomic_write(url, blob)
+    atomic_write(url, stable_safetensors(blob))  # same KV, same bytes: its digest feeds cache keys
 
 
 def read_doc_kv_meta(url: str) -> dict[str, str]:

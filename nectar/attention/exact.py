@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from .doc_kv import DocKV
-from .kernels import flash_available, fused_state
+from .kernels import choose_backend, fused_state
 from .state import AttnState, attention_state
 
 
@@ -26,11 +26,7 @@ class ExactDocState:
         # flash: the flash-attn package (CUDA); fused: torch's own flash kernel, which returns the lse
         # too (CUDA and CPU); torch: exact chunked float32 math, the reference the others are tested
         # against.
-        if backend == "auto":
-            backend = "flash" if flash_available(device) else "fused"
-        if backend == "flash" and device.type != "cuda":
-            raise ValueError(f"attention backend 'flash' needs CUDA; use 'fused' or 'torch' on {device.type}")
-        self.backend = backend
+        self.backend = choose_backend(backend, device, doc_kv.keys[0].dtype)
 
     def __call__(self, layer: int, q: torch.Tensor, scaling: float) -> AttnState:
         if self.backend == "flash":
@@ -56,8 +52,8 @@ class ExactDocState:
         qf = q.permute(0, 2, 1, 3).reshape(1, b * m, hq, d)  # batch folded into the sequence axis
         kf = k.permute(1, 0, 2).unsqueeze(0)  # [1, n, hkv, d] (flash handles GQA natively)
         vf = v.permute(1, 0, 2).unsqueeze(0)
-        dtype = qf.dtype if qf.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
-        out, lse, _ = flash_attn_func(qf.to(dtype), kf.to(dtype), vf.to(dtype), softmax_scale=scaling,
+        dtype = qf.dtype  # half precision: choose_backend gives flash to no other model
+        out, lse, _ = flash_attn_func(qf, kf.to(dtype), vf.to(dtype), softmax_scale=scaling,
                                       causal=False, return_attn_probs=True)
         out = out.reshape(b, m, hq, d).permute(0, 2, 1, 3).float()  # [b, hq, m, d]
         lse = lse.reshape(hq, b, m).permute(1, 0, 2).float()  # flash lse is [1, hq, b*m]

@@ -33,5 +33,6 @@ def make_backend(llm_cfg: LLMConfig, base_model_cfg: ModelConfig) -> ChatBackend
         return OpenAIBackend(
             base_url=llm_cfg.base_url, model=llm_cfg.model, api_key=api_key_from_env(llm_cfg.api_key_env),
             max_concurrency=llm_cfg.max_concurrency, max_retries=llm_cfg.max_retries, timeout_s=llm_cfg.timeout_s,
+            retry_budget_s=llm_cfg.retry_budget_s,
         )
     raise ValueError(f"unknown LLM backend {llm_cfg.backend!r}; use 'local' or 'openai'")

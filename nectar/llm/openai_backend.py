@@ -1,10 +1,13 @@
 """Chat backend for any OpenAI-compatible server (vLLM in production, ``transformers serve`` on CPU).
 
 Requests run concurrently on one asyncio loop, at most ``max_concurrency`` in flight. Transient
-failures (timeouts, 429, 5xx) are retried with exponential backoff; what still fails becomes a
-result with ``error`` set. A server that can't be reached at all (connection refused after
-retries), or that rejects us outright (401/403/404: wrong key or model name), raises
-LLMUnavailableError naming the URL — every other request would fail the same way.
+failures (timeouts, connection errors, 408/409/429/5xx) are retried by the openai client itself:
+exponential backoff with jitter (0.5 s doubling, at most 8 s), or the server's ``Retry-After`` /
+``retry-after-ms`` on 429/503 (up to 120 s; a longer one is not waited for). ``retry_budget_s``
+bounds one request's attempts and waits together. What still fails becomes a result with
+``error`` set. A server that can't be reached at all (connection refused after retries), or that
+rejects us outright (401/403/404: wrong key or model name), raises LLMUnavailableError naming the
+URL — every other request would fail the same way.
 
 When a request carries a JSON schema we ask for ``response_format: json_schema``. A server that
 refuses the field (400/422) is asked again without it, once, and from then on for this backend;
@@ -15,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
-import random
 from typing import Any, Coroutine, Sequence, TypeVar
 
 import openai
@@ -24,8 +26,7 @@ from .parsing import find_json
 from .types import ChatRequest, ChatResult, LLMUnavailableError, OnResult, Progress
 
 T = TypeVar("T")
-MAX_BACKOFF_S = 30.0
-_RETRYABLE_STATUS = {408, 409, 429}
+_RETRYABLE_STATUS = {408, 409, 429}  # and every 5xx: what the openai client retries
 
 
 class OpenAIBackend:
@@ -33,14 +34,14 @@ class OpenAIBackend:
 
     def __init__(self, base_url: str | None, model: str | None, api_key: str = "EMPTY",
                  max_concurrency: int = 8, max_retries: int = 3, timeout_s: float = 300.0,
-                 backoff_s: float = 0.5):
+                 retry_budget_s: float = 900.0):
         self.base_url = base_url
         self.model = model
         self.api_key = api_key
         self.max_concurrency = max(1, max_concurrency)
         self.max_retries = max(0, max_retries)
-        self.timeout_s = timeout_s
-        self.backoff_s = backoff_s
+        self.timeout_s = timeout_s  # one attempt
+        self.retry_budget_s = retry_budget_s  # one request: every attempt and every wait between them
         self.schema_supported = True  # flipped off when the server refuses response_format
 
     @property
@@ -64,7 +65,7 @@ class OpenAIBackend:
     async def _run_all(self, requests: list[ChatRequest], progress: Progress | None,
                        on_result: OnResult | None) -> list[ChatResult]:
         client = openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, timeout=self.timeout_s,
-                                    max_retries=0)  # retries are ours: backoff + unreachable detection
+                                    max_retries=self.max_retries)
         results: list[ChatResult | None] = [None] * len(requests)
         sem = asyncio.Semaphore(self.max_concurrency)
         done = 0
@@ -105,36 +106,31 @@ class OpenAIBackend:
         return ids[0]
 
     async def _one(self, client: openai.AsyncOpenAI, model: str, req: ChatRequest) -> ChatResult:
-        last = "no attempt made"
-        for attempt in range(self.max_retries + 1):
-            if attempt:
-                await asyncio.sleep(min(MAX_BACKOFF_S, self.backoff_s * 2 ** (attempt - 1)) * (1 + random.random() / 4))
-            kwargs = self._kwargs(model, req)
-            try:
+        kwargs = self._kwargs(model, req)
+        try:
+            async with asyncio.timeout(self.retry_budget_s):
                 resp = await client.chat.completions.create(**kwargs)
-                return _to_result(resp, req)
-            except openai.APITimeoutError:
-                last = f"timed out after {self.timeout_s:g}s"
-            except openai.APIConnectionError as exc:
-                if attempt == self.max_retries:
-                    raise self._unavailable(exc, attempt + 1) from None
-                last = f"connection error: {exc}"
-            except openai.APIStatusError as exc:
-                status = exc.status_code
-                if status in (401, 403, 404):
-                    raise LLMUnavailableError(
-                        f"LLM server at {self.url} rejected the request with {status} ({_body(exc)}); "
-                        f"check the API key (env var) and the model name {model!r}") from None
-                if status in (400, 422) and "response_format" in kwargs:
-                    self.schema_supported = False  # ask again (not counted as a retry) without it
-                    return await self._one(client, model, req)
-                last = f"server answered {status}: {_body(exc)}"
-                if status < 500 and status not in _RETRYABLE_STATUS:
-                    break
-            except Exception as exc:  # garbled reply (not JSON, missing fields): recorded, not retried
-                return ChatResult(text="", error=f"malformed response from {self.url}: {type(exc).__name__}: {exc}",
-                                  finish_reason="error")
-        return ChatResult(text="", error=f"request failed after {attempt + 1} attempt(s): {last}", finish_reason="error")
+            return _to_result(resp, req)
+        except TimeoutError:  # the budget, not one attempt (that is APITimeoutError)
+            last = f"gave up after {self.retry_budget_s:g}s of attempts and waits (llm.retry_budget_s)"
+        except openai.APITimeoutError:
+            last = f"timed out after {self.timeout_s:g}s ({self.max_retries + 1} attempt(s))"
+        except openai.APIConnectionError as exc:
+            raise self._unavailable(exc, self.max_retries + 1) from None
+        except openai.APIStatusError as exc:
+            status = exc.status_code
+            if status in (401, 403, 404):
+                raise LLMUnavailableError(
+                    f"LLM server at {self.url} rejected the request with {status} ({_body(exc)}); "
+                    f"check the API key (env var) and the model name {model!r}") from None
+            if status in (400, 422) and "response_format" in kwargs:
+                self.schema_supported = False  # ask again (not counted as a retry) without it
+                return await self._one(client, model, req)
+            last = f"{_attempts(exc)} attempt(s): server answered {status}: {_body(exc)}"
+        except Exception as exc:  # garbled reply (not JSON, missing fields): recorded, not retried
+            return ChatResult(text="", error=f"malformed response from {self.url}: {type(exc).__name__}: {exc}",
+                              finish_reason="error")
+        return ChatResult(text="", error=f"request failed after {last}", finish_reason="error")
 
     def _kwargs(self, model: str, req: ChatRequest) -> dict[str, Any]:
         kwargs: dict[str, Any] = dict(
@@ -166,6 +162,14 @@ def _to_result(resp: Any, req: ChatRequest) -> ChatResult:
         finish_reason=choice.finish_reason or "stop",
         prompt_tokens=getattr(usage, "prompt_tokens", None), completion_tokens=getattr(usage, "completion_tokens", None),
     )
+
+
+def _attempts(exc: openai.APIStatusError) -> int:
+    """How many attempts the client made (it numbers its retries in a request header)."""
+    try:
+        return int(exc.response.request.headers.get("x-stainless-retry-count", "0")) + 1
+    except (AttributeError, ValueError, RuntimeError):
+        return 1
 
 
 def _body(exc: openai.APIStatusError) -> str:

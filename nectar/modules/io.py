@@ -14,6 +14,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from ..schemas.artifacts import ModuleSpec
+from ..integrity import stable_safetensors
 from ..storage import atomic_write
 from ..tables import read_json_artifact, write_json_artifact
 from .builder import ModulePlan, NectarModule, build_module
@@ -53,7 +54,7 @@ def save_module(module: NectarModule, spec: ModuleSpec, dir_url: str) -> list[st
     tensors = {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}
     blob = st_save(tensors, metadata={"base_model_hash": spec.base_model_hash,
                                       "doc_sha256": spec.doc_sha256, "arch": spec.arch})
-    atomic_write(f"{dir_url.rstrip('/')}/{WEIGHTS}", blob)
+    atomic_write(f"{dir_url.rstrip('/')}/{WEIGHTS}", stable_safetensors(blob))  # same module, same bytes
     write_json_artifact(f"{dir_url.rstrip('/')}/{SPEC}", spec)
     return [WEIGHTS, SPEC]
 

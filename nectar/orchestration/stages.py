@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from ..runs import StageOutcome, run_stage
+import fsspec
+
+from .. import integrity
+from ..runs import Repair, RunDir, StageOutcome, StageResult, check_stage, run_stage
 from ..schemas.artifacts import ChunkRow, DatasetRow, PairRow
 from ..schemas.config import STAGES
 from ..tables import ArtifactError, read_table
 from .context import (SHARED_DATA_STAGES, Progress, RunContext, StageInputError, doc_kv_meta, load_base,
                       load_run_doc_kv)
+from .lineage import code_version
 from .readers import write_json
 
 __all__ = ["SHARED_DATA_STAGES", "STAGE_RUNNERS", "UPSTREAM", "available_stages", "plan_stages"]
@@ -20,16 +24,87 @@ UPSTREAM: dict[str, tuple[str, ...]] = {
 }
 
 
+class InputChanged(ArtifactError):
+    """An upstream output no longer matches the digest its manifest recorded."""
+
+
+def rebuild_command(ctx: RunContext, stage: str) -> str:
+    """The command that redoes ``stage`` (and what follows) in this run."""
+    import shlex
+
+    run = ctx.stage_run(stage)
+    return f"nectar run {shlex.quote(ctx.info.source_uri)} --run-dir {shlex.quote(run.root)} --from {stage}"
+
+
 def _upstream_outputs(ctx: RunContext, stage: str) -> dict[str, str]:
+    """The content digests of the stage's inputs (its cache key's ``inputs``), after checking that
+    each upstream stage's outputs still match them (cheap when this process just checked them)."""
     inputs: dict[str, str] = {"document": ctx.info.sha256}
     for up in UPSTREAM[stage]:
-        manifest = ctx.stage_run(up).read_manifest(up)
+        run = ctx.stage_run(up)
+        manifest = run.read_manifest(up)
         if manifest is None:
             raise StageInputError(
-                f"stage {stage!r} needs the outputs of {up!r}, which has not completed in {ctx.run.root}; "
-                f"run `nectar run ... --from {up}` first")
+                f"stage {stage!r} needs the outputs of {up!r}, which has not completed in {run.root}; "
+                f"run `{rebuild_command(ctx, up)}` first")
+        changes = check_stage(run, up, manifest)
+        if changes:
+            raise InputChanged(f"{run.root}/{integrity.summarize(up, changes)} since {up} completed; "
+                               f"{stage} will not read it: rebuild it with `{rebuild_command(ctx, up)}`")
         inputs.update({f"{up}/{name}": h for name, h in manifest.outputs.items()})
     return inputs
+
+
+def check_inputs_done(run: RunDir, stage: str, source_uri: str) -> None:
+    """``--only STAGE``: refuse up front when a stage it reads from has not completed."""
+    import shlex
+
+    parent = None
+    if run.exists("run.json"):
+        from ..schemas.artifacts import RunManifest
+        from ..tables import read_json_artifact
+
+        parent_root = read_json_artifact(run.url("run.json"), RunManifest).parent_run
+        parent = RunDir(parent_root) if parent_root else None
+    for up in UPSTREAM[stage]:
+        holder = parent if parent is not None and up in SHARED_DATA_STAGES else run
+        if not holder.exists(up, "manifest.json"):
+            raise StageInputError(
+                f"--only {stage} needs the outputs of {up}, which has not completed in {holder.root}; run "
+                f"`nectar run {shlex.quote(source_uri)} --run-dir {shlex.quote(holder.root)} --from {up}` first")
+
+
+def _run(ctx: RunContext, stage: str, config: Any, inputs: dict[str, str], body: Callable[[str], StageResult],
+         force: bool, repair: Repair | None = None) -> StageOutcome:
+    """``run_stage`` with this stage's code version, and input errors that say how to rebuild the input."""
+    def guarded(url: str) -> StageResult:
+        try:
+            return body(url)
+        except ArtifactError as exc:
+            _add_rebuild_hint(ctx, stage, exc)
+            raise
+        except ValueError as exc:
+            if "checksum" not in str(exc):
+                raise
+            # zarr's crc32c codec refused a chunk: find the file and say so
+            _upstream_outputs(ctx, stage)  # raises InputChanged naming it
+            up = UPSTREAM[stage][0]
+            raise ArtifactError(f"{stage}: an input chunk failed its crc32c check ({exc}); rebuild the "
+                                f"inputs with `{rebuild_command(ctx, up)}`") from exc
+
+    return run_stage(ctx.run, stage, config, inputs, guarded, force, code=code_version(STAGE_RUNNERS[stage]),
+                     repair=repair, notify=ctx.notify)
+
+
+def _add_rebuild_hint(ctx: RunContext, stage: str, exc: ArtifactError) -> None:
+    """An unreadable or invalid input names its file already; add the command that rebuilds it."""
+    text = str(exc)
+    if "rebuild it with" in text:
+        return
+    for up in UPSTREAM[stage]:
+        if ctx.stage_run(up).url(up) + "/" in text:
+            exc.args = (f"{text}; rebuild it with `{rebuild_command(ctx, up)}`",)
+            return
 
 
 def _stage_config(ctx: RunContext, stage: str) -> dict[str, Any]:
@@ -49,8 +124,8 @@ def run_chunk(ctx: RunContext, force: bool = False) -> StageOutcome:
         write_table(f"{url}/chunks.parquet", rows, ChunkRow)
         return ["chunks.parquet"], {"chunks": len(rows), "words": ctx.info.n_words}
 
-    return run_stage(ctx.run, "chunk", {"chunk": ctx.config.chunk.cache_dict()},
-                     _upstream_outputs(ctx, "chunk"), body, force)
+    return _run(ctx, "chunk", {"chunk": ctx.config.chunk.cache_dict()}, _upstream_outputs(ctx, "chunk"), body,
+                force)
 
 
 def run_synthesize(ctx: RunContext, force: bool = False) -> StageOutcome:
@@ -65,7 +140,7 @@ def run_synthesize(ctx: RunContext, force: bool = False) -> StageOutcome:
         counts = synthesize(chunks, ctx.config.synthesize, backend, url, progress=ctx.progress("synthesize"))
         return ["pairs.parquet"], counts
 
-    return run_stage(ctx.run, "synthesize", _stage_config(ctx, "synthesize"), inputs, body, force)
+    return _run(ctx, "synthesize", _stage_config(ctx, "synthesize"), inputs, body, force)
 
 
 def run_verify(ctx: RunContext, force: bool = False) -> StageOutcome:
@@ -84,7 +159,7 @@ def run_verify(ctx: RunContext, force: bool = False) -> StageOutcome:
                         progress=ctx.progress("verify"))
         return ["dataset.parquet"], counts
 
-    return run_stage(ctx.run, "verify", _stage_config(ctx, "verify"), inputs, body, force)
+    return _run(ctx, "verify", _stage_config(ctx, "verify"), inputs, body, force)
 
 
 def _train_log(ctx: RunContext) -> list:
@@ -125,7 +200,7 @@ def run_targets(ctx: RunContext, force: bool = False) -> StageOutcome:
         counts["probes_train"] = sum(p.split == "train" for p in probes) if cfg.probes.train else 0
         return ["targets.zarr", "pairs.parquet", "probes.parquet", "doc_kv.safetensors"], counts
 
-    return run_stage(ctx.run, "targets", _stage_config(ctx, "targets"), inputs, body, force)
+    return _run(ctx, "targets", _stage_config(ctx, "targets"), inputs, body, force, repair=_repair_targets)
 
 
 def run_train(ctx: RunContext, force: bool = False) -> StageOutcome:
@@ -140,7 +215,7 @@ def run_train(ctx: RunContext, force: bool = False) -> StageOutcome:
                        progress=ctx.progress("train"))
         return list(TRAIN_OUTPUTS), counts
 
-    return run_stage(ctx.run, "train", _stage_config(ctx, "train"), inputs, body, force)
+    return _run(ctx, "train", _stage_config(ctx, "train"), inputs, body, force)
 
 
 def run_evaluate(ctx: RunContext, force: bool = False) -> StageOutcome:
@@ -175,7 +250,7 @@ def run_evaluate(ctx: RunContext, force: bool = False) -> StageOutcome:
         write_json(f"{url}/tables.json", result["tables"])  # for dashboards and sweeps
         return [*result["files"], "tables.json"], result["counts"]
 
-    return run_stage(ctx.run, "evaluate", _stage_config(ctx, "evaluate"), inputs, body, force)
+    return _run(ctx, "evaluate", _stage_config(ctx, "evaluate"), inputs, body, force)
 
 
 STAGE_RUNNERS: dict[str, Callable[[RunContext, bool], StageOutcome]] = {
@@ -190,17 +265,51 @@ def available_stages() -> list[str]:
 
 def plan_stages(from_stage: str | None, only_stage: str | None, force: bool) -> list[tuple[str, bool]]:
     """(stage, force) for each stage to run: --from forces it and everything after, --only one stage."""
+    from ..schemas.presets import ConfigError
+
     for s in (from_stage, only_stage):
         if s is not None and s not in STAGES:
-            raise ValueError(f"unknown stage {s!r}; stages are {', '.join(STAGES)}")
+            raise ConfigError(f"unknown stage {s!r}; stages are {', '.join(STAGES)}")
     if from_stage and only_stage:
-        raise ValueError("use either --from or --only, not both")
+        raise ConfigError("use either --from or --only, not both")
     avail = available_stages()
     if only_stage:
         return [(only_stage, True)]
     start = STAGES.index(from_stage) if from_stage else 0
     # Stages before --from still run: they are cache hits when complete, and redone if not.
     return [(s, force or (from_stage is not None and i >= start)) for i, s in enumerate(STAGES) if s in avail]
+
+
+def _repair_targets(stage_url: str, changes: list[integrity.Change]) -> list[integrity.Change]:
+    """Redo only the damaged shards of the targets group: delete them and move the group's
+    ``written_tokens`` back to the first damaged shard, so the stage resumes from there.
+    Anything else (its metadata, other files) is left to the default: removed and rebuilt."""
+    import zarr
+
+    from ..targets.store import open_store
+
+    zarr_changes = [c for c in changes if c.path.startswith("targets.zarr/")]
+    if not zarr_changes or any(c.path.endswith("zarr.json") for c in zarr_changes):
+        return changes
+    zurl = f"{stage_url.rstrip('/')}/targets.zarr"
+    try:
+        g = zarr.open_group(open_store(zurl), mode="r+", zarr_format=3)
+        starts = []
+        for c in zarr_changes:
+            name, _, rest = c.path[len("targets.zarr/"):].partition("/")
+            if g[name].shards is None:  # pair_offsets / pair_split: rewritten whole at the end
+                continue
+            index = int(rest.split("/")[1])  # "<array>/c/<i>/0/..." (zarr v3 default chunk keys)
+            starts.append(index * g[name].shards[0])
+        written = int(g.attrs["written_tokens"])
+    except Exception:  # a layout this doesn't know: rebuild the whole group
+        return changes
+    fs, base = fsspec.core.url_to_fs(zurl)
+    for c in zarr_changes:
+        if fs.exists(f"{base}/{c.path[len('targets.zarr/'):]}"):
+            fs.rm(f"{base}/{c.path[len('targets.zarr/'):]}")
+    g.attrs["written_tokens"] = min(written, *starts)
+    return [c for c in changes if c not in zarr_changes]
 
 
 def _document_kv(ctx: RunContext, base, layout, kv_url: str):

@@ -37,9 +37,13 @@ def _tqdm_progress(stage: str):
     return update
 
 
-def _quiet_prefect() -> None:
-    # Ephemeral mode is fine for a one-off run; keep Prefect's own logs at warning level.
+def _quiet_prefect(debug: bool = False) -> None:
+    # Ephemeral mode is fine for a one-off run; keep Prefect's own logs at warning level, and off
+    # the terminal unless --debug: a failed stage is reported in one line (the flow run's logs on a
+    # server keep the traceback).
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    if not debug:
+        os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "CRITICAL")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     # The ephemeral API server starts in a subprocess; on a busy 2-core machine it can take longer
     # than Prefect's default 20 s.
@@ -48,7 +52,9 @@ def _quiet_prefect() -> None:
 
 @app.command()
 def run(
-    document: str = typer.Argument("pydoc:naming", help="Path, fsspec URL or pydoc:<topic> (default: pydoc:naming)."),
+    document: Optional[str] = typer.Argument(
+        None, help="Path, fsspec URL or pydoc:<topic> (default: pydoc:naming; with --only on an existing "
+                   "run, the run's)."),
     preset: str = typer.Option("cpu", help="tiny | cpu | paper"),
     config: Optional[str] = typer.Option(None, "--config", help="YAML file of overrides."),
     regime: Optional[str] = typer.Option(None, help="regression | mixed | distill | cartridges"),
@@ -57,35 +63,44 @@ def run(
     from_stage: Optional[str] = typer.Option(None, "--from", help="Re-run this stage and everything after it."),
     only_stage: Optional[str] = typer.Option(None, "--only", help="Re-run only this stage on existing inputs."),
     force: bool = typer.Option(False, "--force", help="Ignore the cache for every stage."),
+    no_wait: bool = typer.Option(False, "--no-wait", help="If another process is writing the run directory, "
+                                                          "exit at once (code 3) instead of waiting for it."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks and Prefect's own logs."),
 ) -> None:
     """Run the pipeline for one document."""
-    _quiet_prefect()
-    from ..documents import DocumentError
-    from ..layout import ContextTooLongError
-    from ..schemas.presets import ConfigError, load_config
-    from . import flows
+    from .errors import reported
 
-    try:
-        load_config(preset, config, regime, set_)  # fail fast, before Prefect starts
-    except ConfigError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2)
-    flows.CONSOLE_PROGRESS = _tqdm_progress
-    try:
-        result = flows.nectar_pipeline(document=document, preset=preset, config_file=config, overrides=list(set_),
-                                       run_dir=run_dir, from_stage=from_stage, only_stage=only_stage, force=force,
-                                       regime=regime)
-    except (DocumentError, ContextTooLongError, ConfigError) as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2)
-    except Exception as exc:  # a stage failed: its error.json and a re-run hint are in the run dir
-        console.print(f"[red]error:[/red] {type(exc).__name__}: {exc}")
-        if run_dir:
-            _print_status(run_dir)
-        console.print("Fix the cause and run the same command again: completed stages are cached.")
-        raise typer.Exit(1)
+    _quiet_prefect(debug)
+    with reported(debug, _error_line):
+        # Everything a user can get wrong is checked here, before Prefect starts.
+        from ..orchestration import check_inputs_done, check_request, plan_stages, run_lock
+        from ..schemas.presets import load_config
+
+        cfg = load_config(preset, config, regime, set_)
+        plan_stages(from_stage, only_stage, force)
+        checked = check_request(document, cfg, run_dir, only_stage)
+        if only_stage:
+            check_inputs_done(checked.run, only_stage, checked.info.source_uri)
+        with run_lock(checked.run.root, wait=not no_wait, notify=_notice):
+            from . import flows
+
+            flows.CONSOLE_PROGRESS, flows.CONSOLE_NOTICE = _tqdm_progress, _notice
+            result = flows.nectar_pipeline(
+                document=document or checked.info.source_uri, preset=preset, config_file=config,
+                overrides=list(set_), run_dir=checked.run.root, from_stage=from_stage, only_stage=only_stage,
+                force=force, regime=regime)
     _print_status(result["run_dir"])
     typer.echo(result["run_dir"])
+
+
+def _notice(message: str) -> None:
+    console.print(message, markup=False, highlight=False, soft_wrap=True)
+
+
+def _error_line(message: str) -> None:
+    from rich.text import Text
+
+    console.print(Text("error: ", style="red") + Text(message[len("error: "):]), highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -98,29 +113,37 @@ def sweep(
     set_: list[str] = typer.Option([], "--set"),
     run_dir: Optional[str] = typer.Option(None, "--run-dir"),
     force: bool = typer.Option(False, "--force"),
+    no_wait: bool = typer.Option(False, "--no-wait", help="Exit at once (code 3) if the run directory is busy."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks and Prefect's own logs."),
 ) -> None:
     """Train and evaluate every combination of a grid on one document; print one comparison table."""
-    _quiet_prefect()
-    from ..schemas.presets import ConfigError
-    from ..sweep import expand_variants, parse_grid
-    from ..schemas.presets import load_config
-    from . import flows
+    from .errors import reported
 
-    try:
-        expand_variants(load_config(preset, config, None, set_), parse_grid(grid))
-    except ConfigError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2)
-    flows.CONSOLE_PROGRESS = _tqdm_progress
-    result = flows.nectar_sweep(document=document, grid=list(grid), preset=preset, config_file=config,
-                                overrides=list(set_), run_dir=run_dir, force=force)
+    _quiet_prefect(debug)
+    with reported(debug, _error_line):
+        from ..orchestration import check_run, run_lock
+        from ..schemas.presets import load_config
+        from ..sweep import expand_variants, parse_grid
+
+        cfg = load_config(preset, config, None, set_)
+        expand_variants(cfg, parse_grid(grid))
+        checked = check_run(document, cfg, run_dir)  # the document and the run directory, before Prefect
+        with run_lock(checked.run.root, wait=not no_wait, notify=_notice):
+            from . import flows
+
+            flows.CONSOLE_PROGRESS, flows.CONSOLE_NOTICE = _tqdm_progress, _notice
+            result = flows.nectar_sweep(document=document, grid=list(grid), preset=preset, config_file=config,
+                                        overrides=list(set_), run_dir=checked.run.root, force=force)
     typer.echo(result["table"])
     typer.echo(f"{result['run_dir']}/sweep/comparison.md")
 
 
 @app.command()
 def status(run_dir: str = typer.Argument(..., help="A run directory, or a folder of runs (runs/<doc-id>).")) -> None:
-    """Each stage of a run: done / cached / failed / missing, with counts and the last error."""
+    """Each stage of a run: done / cached / stale / failed / missing, with counts and the last error.
+
+    ``stale``: completed, but an input or output changed since (every output byte is checked);
+    the next `nectar run` redoes it."""
     from ..runs import RunDir
 
     if RunDir(run_dir).exists("run.json"):
@@ -141,19 +164,55 @@ def ask(
     max_new_tokens: Optional[int] = typer.Option(None, help="Default: the run's evaluate setting."),
     temperature: Optional[float] = typer.Option(None, help="0 for greedy; default: the run's evaluate setting."),
     seed: int = typer.Option(0),
+    debug: bool = typer.Option(False, "--debug", help="Show the traceback of an error."),
 ) -> None:
     """Answer a question from the trained module, without the document in the context (streams)."""
     from ..ask import ask as ask_module
+    from .errors import reported
+
+    with reported(debug, _error_line):
+        ask_module(run_dir, question, stream=lambda text: (sys.stdout.write(text), sys.stdout.flush()),
+                   max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+    sys.stdout.write("\n")
+
+
+@app.command("serve")
+def serve_cmd(
+    run_dir: str = typer.Argument(..., help="A run directory whose train stage completed."),
+    host: str = typer.Option("127.0.0.1", help="Interface to listen on (0.0.0.0: every interface)."),
+    port: int = typer.Option(8000, help="TCP port (0: any free port; the URL is printed)."),
+    max_batch: int = typer.Option(8, help="Requests decoded together in one batch."),
+    max_queue: int = typer.Option(64, help="Requests waiting for a batch; beyond: 503 with Retry-After."),
+    max_tokens: int = typer.Option(512, help="Largest max_tokens a request may ask for (400 beyond)."),
+    max_prompt_tokens: int = typer.Option(4096, help="Largest conversation, in query tokens (400 beyond)."),
+    max_body_bytes: int = typer.Option(1_000_000, help="Largest request body (413 beyond)."),
+    max_stop: int = typer.Option(4, help="Stop strings per request (400 beyond)."),
+    batch_wait_ms: float = typer.Option(5.0, help="How long a new batch waits for more requests."),
+    shutdown_timeout: float = typer.Option(120.0, help="On SIGTERM, wait this long for in-flight requests."),
+    served_name: Optional[str] = typer.Option(None, help="Model id clients send (default <doc-id>/<run-id>)."),
+) -> None:
+    """Serve the run's module behind an OpenAI-compatible API (/v1/chat/completions, /v1/models, /health)."""
+    from pydantic import ValidationError
+
     from ..modules.io import ModuleMismatch
+    from ..serving.limits import ServeLimits
+    from ..serving.runner import PortInUse, serve
     from ..tables import ArtifactError
 
     try:
-        ask_module(run_dir, question, stream=lambda text: (sys.stdout.write(text), sys.stdout.flush()),
-                   max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
-    except (FileNotFoundError, ModuleMismatch, ArtifactError) as exc:
+        limits = ServeLimits(max_batch=max_batch, max_queue=max_queue, max_tokens=max_tokens,
+                             max_prompt_tokens=max_prompt_tokens, max_body_bytes=max_body_bytes,
+                             max_stop=max_stop, batch_wait_ms=batch_wait_ms, shutdown_timeout_s=shutdown_timeout)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        flag = {"shutdown_timeout_s": "shutdown_timeout"}.get(str(err["loc"][0]), str(err["loc"][0]))
+        console.print(f"[red]error:[/red] --{flag.replace('_', '-')}: {err['msg']}")
+        raise typer.Exit(2)
+    try:
+        serve(run_dir, host, port, limits, served_name)
+    except (FileNotFoundError, ModuleMismatch, ArtifactError, PortInUse) as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(1)
-    sys.stdout.write("\n")
 
 
 def _print_status(run_dir: str) -> None:
@@ -165,7 +224,7 @@ def _print_status(run_dir: str) -> None:
     table = Table(title=f"run {run_dir}")
     for col in ("stage", "state", "counts", "seconds"):
         table.add_column(col)
-    colors = {"done": "green", "cached": "cyan", "failed": "red", "missing": "yellow"}
+    colors = {"done": "green", "cached": "cyan", "stale": "magenta", "failed": "red", "missing": "yellow"}
     for stage in STAGES:
         if stage not in avail:
             table.add_row(stage, "[dim]not available[/dim]", "", "")
@@ -174,6 +233,8 @@ def _print_status(run_dir: str) -> None:
         counts = ", ".join(f"{k}={v}" for k, v in list(st["counts"].items())[:8])
         if st["error"]:
             counts = st["error"].splitlines()[0][:160]
+        elif st.get("stale"):
+            counts = f"stale: {st['stale']}"[:200]
         table.add_row(stage, f"[{colors[st['state']]}]{st['state']}[/]", counts,
                       "" if st["duration_s"] is None else f"{st['duration_s']:.1f}")
     Console().print(table)

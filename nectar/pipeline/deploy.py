@@ -175,8 +175,13 @@ def pipeline_deployment(pool: str, parameters: dict[str, Any], working_dir: str,
         from prefect.client.schemas.schedules import CronSchedule
 
         schedules = [CronSchedule(cron=cron, timezone=timezone or "UTC")]
+    limit = None
+    if "document" in parameters:  # a document's own deployment: one run at a time, the next waits
+        from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
+
+        limit = ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy.ENQUEUE)
     return _runner_deployment(
-        PIPELINE_ENTRYPOINT, name, pool, parameters=parameters, schedules=schedules,
+        PIPELINE_ENTRYPOINT, name, pool, parameters=parameters, schedules=schedules, concurrency_limit=limit,
         tags=[*TAGS, *(tags or [])], job_variables=job_variables(working_dir, env),
         description="Run the NECTAR pipeline (chunk → … → evaluate) for one document; "
                     "completed stages are skipped, so re-running a failed run resumes it.")

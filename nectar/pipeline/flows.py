@@ -20,13 +20,29 @@ from prefect.runtime import flow_run
 from .. import orchestration
 from ..orchestration.readers import write_json
 from ..runs import record_failure
-from .gpu_slots import gpu_slot
+from .gpu_slots import doc_slot, gpu_slot
 from ..schemas.config import STAGES
 from ..schemas.presets import load_config
 from ..storage import atomic_write
 
 # The CLI sets this to a terminal progress-bar factory; flows also publish Prefect progress.
 CONSOLE_PROGRESS: Callable[[str], Callable[[int, int], None]] | None = None
+# The CLI sets this to its console; notices (a stage redone because a file changed, a lock waited
+# for) also go to the flow run's log.
+CONSOLE_NOTICE: Callable[[str], None] | None = None
+
+
+def _notify(message: str) -> None:
+    if CONSOLE_NOTICE is not None:
+        CONSOLE_NOTICE(message)
+    else:
+        import sys
+
+        print(message, file=sys.__stderr__, flush=True)
+    try:
+        get_run_logger().warning(message)
+    except Exception:  # outside a flow run
+        pass
 
 
 def _key(*parts: str) -> str:
@@ -95,17 +111,19 @@ def nectar_stage(run_dir: str, stage: str, force: bool = True) -> dict[str, Any]
     """Run one stage of an existing run directory (re-runs it when ``force``)."""
     if stage not in STAGES:
         raise ValueError(f"unknown stage {stage!r}; stages are {', '.join(STAGES)}")
-    ctx = orchestration.open_run(run_dir)
-    ctx.progress = _prefect_progress(ctx.doc_id)
     logger = get_run_logger()
-    with tags("nectar", f"doc:{ctx.doc_id}", f"stage:{stage}"):
-        try:
-            with gpu_slot(stage):  # one GPU stage at a time per GPU, across runs (needs a server)
-                outcome = orchestration.STAGE_RUNNERS[stage](ctx, force)
-        except BaseException as exc:
-            record_failure(ctx.run, stage, exc)
-            _publish_failure(ctx, stage, exc)
-            raise
+    with orchestration.run_lock(run_dir, notify=_notify):  # one writer per run directory
+        ctx = orchestration.open_run(run_dir)
+        ctx.progress = _prefect_progress(ctx.doc_id)
+        ctx.notify = _notify
+        with tags("nectar", f"doc:{ctx.doc_id}", f"stage:{stage}"):
+            try:
+                with gpu_slot(stage):  # one GPU stage at a time per GPU, across runs (needs a server)
+                    outcome = orchestration.STAGE_RUNNERS[stage](ctx, force)
+            except BaseException as exc:
+                record_failure(ctx.run, stage, exc)
+                _publish_failure(ctx, stage, exc)
+                raise
     logger.info("%s %s: %s %s", ctx.doc_id, stage, outcome.status, outcome.manifest.counts)
     _publish(ctx, stage, outcome)
     return {"stage": stage, "status": outcome.status, "counts": outcome.manifest.counts}
@@ -132,15 +150,19 @@ def nectar_pipeline(
     """chunk → synthesize → verify → targets → train → evaluate for one document."""
     config = load_config(preset, config_file, regime, overrides or [])
     plan = orchestration.plan_stages(from_stage, only_stage, force)
-    if only_stage and run_dir:
-        ctx = orchestration.open_run(run_dir)
-    else:
-        ctx = orchestration.prepare_run(document, config, run_dir)
+    checked = orchestration.check_request(document, config, run_dir, only_stage)
     results = {}
-    with tags("nectar", f"doc:{ctx.doc_id}"):
-        for stage, stage_force in plan:
-            runner = nectar_stage.with_options(flow_run_name=f"{ctx.doc_id}-{stage}")
-            results[stage] = runner(run_dir=ctx.run.root, stage=stage, force=stage_force)
+    # One writer per run directory; one run per document at a time on a server (doc_slot). Always in
+    # this order (the CLI takes the run-directory lock before the flow starts): no lock cycle.
+    with orchestration.run_lock(checked.run.root, notify=_notify), doc_slot(checked.info.doc_id):
+        if checked.reopen:
+            ctx = orchestration.open_run(checked.run.root)
+        else:
+            ctx = orchestration.prepare_run(document, config, checked=checked)
+        with tags("nectar", f"doc:{ctx.doc_id}"):
+            for stage, stage_force in plan:
+                runner = nectar_stage.with_options(flow_run_name=f"{ctx.doc_id}-{stage}")
+                results[stage] = runner(run_dir=ctx.run.root, stage=stage, force=stage_force)
     return {"run_dir": ctx.run.root, "doc_id": ctx.doc_id, "stages": results}
 
 
@@ -161,9 +183,11 @@ def nectar_sweep(
 
     config = load_config(preset, config_file, regime, overrides or [])
     variants = sweep.with_base(config, sweep.expand_variants(config, sweep.parse_grid(grid)))
-    ctx = orchestration.prepare_run(document, config, run_dir)
+    checked = orchestration.check_run(document, config, run_dir)
     rows = []
-    with tags("nectar", f"doc:{ctx.doc_id}", "sweep"):
+    with orchestration.run_lock(checked.run.root, notify=_notify), \
+            tags("nectar", f"doc:{checked.info.doc_id}", "sweep"):
+        ctx = orchestration.prepare_run(document, config, checked=checked)
         for stage in orchestration.SHARED_DATA_STAGES:
             nectar_stage.with_options(flow_run_name=f"{ctx.doc_id}-{stage}")(
                 run_dir=ctx.run.root, stage=stage, force=force)
@@ -173,8 +197,8 @@ def nectar_sweep(
                 nectar_stage.with_options(flow_run_name=f"{ctx.doc_id}-{variant.name}-{stage}")(
                     run_dir=vctx.run.root, stage=stage, force=force)
             rows.append(sweep.comparison_row(variant, vctx.run))
-    table_md = sweep.comparison_markdown(rows)
-    atomic_write(ctx.run.url("sweep", "comparison.md"), table_md)
-    write_json(ctx.run.url("sweep", "comparison.json"), rows)
+        table_md = sweep.comparison_markdown(rows)
+        atomic_write(ctx.run.url("sweep", "comparison.md"), table_md)
+        write_json(ctx.run.url("sweep", "comparison.json"), rows)
     create_table_artifact(key=_key(ctx.doc_id, "sweep"), table=rows, description=f"{ctx.doc_id} · sweep")
     return {"run_dir": ctx.run.root, "doc_id": ctx.doc_id, "comparison": rows, "table": table_md}

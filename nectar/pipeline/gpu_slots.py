@@ -1,4 +1,5 @@
-"""One GPU, many runs: a Prefect global concurrency limit around the GPU stages.
+"""One GPU, many runs: a Prefect global concurrency limit around the GPU stages (and one per
+document around pipeline runs, ``doc_slot``).
 
 A pipeline run executes its stages as subflows inside ONE flow-run process, so work-pool or
 work-queue limits (which count whole flow runs) cannot stop two documents' ``train`` stages from
@@ -39,4 +40,36 @@ def gpu_slot(stage: str, limit_name: str = GPU_LIMIT, timeout_s: float | None = 
 
     # strict=False: a server without the limit (deploy not run yet) still runs the stage.
     with concurrency(limit_name, occupy=1, timeout_seconds=timeout_s, strict=False):
+        yield True
+
+
+# ----- one pipeline run per document at a time (on a server) ------------------------------------------
+
+DOC_LIMIT_PREFIX = "nectar-doc-"
+
+
+def doc_limit_name(doc_id: str) -> str:
+    return f"{DOC_LIMIT_PREFIX}{doc_id}"[:100]
+
+
+@contextmanager
+def doc_slot(doc_id: str, timeout_s: float | None = None) -> Iterator[bool]:
+    """Hold the document's one-slot global concurrency limit (``nectar-doc-<doc-id>``, created on
+    first use) while a pipeline run for it is in progress: a schedule firing while the last run of
+    the same document is still going waits for it instead of racing it (the run-directory lock
+    stops two writers of one run directory; this also orders runs of one document in several
+    directories). Without a server it is a no-op; the run-directory lock still applies."""
+    if not server_configured():
+        yield False
+        return
+    from prefect.client.orchestration import get_client
+    from prefect.concurrency.sync import concurrency
+
+    name = doc_limit_name(doc_id)
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_global_concurrency_limit_by_name(name)
+        except Exception:  # ObjectNotFound: the first run of this document
+            client.upsert_global_concurrency_limit_by_name(name, 1)
+    with concurrency(name, occupy=1, timeout_seconds=timeout_s, strict=False):
         yield True

@@ -23,10 +23,12 @@ from ..schemas.config import STAGES
 from ..tables import ArtifactError, read_json_artifact
 
 # done: completed by its latest invocation; cached: completed earlier, the latest invocation skipped it
+# stale: completed, but an input changed since or an output no longer matches its recorded digest
+#        (the next run redoes it)
 # failed: its latest invocation raised (error.json holds the message and a short traceback)
 # partial: the stage folder exists with no manifest and no error (running now, or killed mid-stage)
 # missing: nothing yet; not available: this build has no implementation of the stage
-STATES = ("done", "cached", "failed", "partial", "missing", "not available")
+STATES = ("done", "cached", "stale", "failed", "partial", "missing", "not available")
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,7 @@ class StageStatus:
     error: str | None = None  # the full error text from error.json
     error_at: str | None = None
     rerun: str | None = None  # the command that re-runs this stage on the existing inputs
+    stale: str | None = None  # why a completed stage is stale (which input or output changed)
 
     @property
     def error_summary(self) -> str | None:
@@ -64,6 +67,8 @@ class RunStatus:
             return "invalid"
         if "failed" in states:
             return "failed"
+        if "stale" in states:
+            return "stale"
         if all(s in ("done", "cached", "not available") for s in states):
             return "complete"
         return "incomplete"
@@ -115,7 +120,7 @@ def stage_status(run: RunDir, stage: str, available: set[str], source_uri: str |
         state = "partial"
     error = run.read_error(stage) if state == "failed" else None
     return StageStatus(stage, state, dict(st["counts"]), st["finished_at"], st["duration_s"],
-                       error=st["error"], error_at=(error or {}).get("at"), rerun=rerun)
+                       error=st["error"], error_at=(error or {}).get("at"), rerun=rerun, stale=st.get("stale"))
 
 
 def run_status(run: RunDir, available: set[str] | None = None) -> RunStatus:
@@ -141,7 +146,7 @@ def collect(root: str, available: set[str] | None = None) -> list[RunStatus]:
 
 # ------------------------------------------------------------------------------------ rendering
 
-_STYLE = {"done": "green", "cached": "cyan", "failed": "bold red", "partial": "yellow",
+_STYLE = {"done": "green", "cached": "cyan", "stale": "magenta", "failed": "bold red", "partial": "yellow",
           "missing": "dim", "not available": "dim italic"}
 
 
@@ -161,7 +166,8 @@ def run_table(status: RunStatus):
     for col in ("stage", "state", "counts", "finished", "s"):
         table.add_column(col, no_wrap=col in ("stage", "state"))
     for s in status.stages:
-        detail = s.error_summary if s.state == "failed" else _format_counts(s.counts)
+        detail = (s.error_summary if s.state == "failed" else f"stale: {s.stale}" if s.state == "stale"
+                  else _format_counts(s.counts))
         table.add_row(s.stage, f"[{_STYLE[s.state]}]{s.state}[/]", detail or "",
                       s.finished_at or s.error_at or "", "" if s.duration_s is None else f"{s.duration_s:.1f}")
     return table
@@ -202,7 +208,7 @@ def status_json(statuses: Iterable[RunStatus]) -> list[dict[str, Any]]:
             "preset": r.preset, "created_at": r.created_at, "state": r.state, "problem": r.problem,
             "stages": [{"stage": s.stage, "state": s.state, "counts": s.counts,
                         "finished_at": s.finished_at, "duration_s": s.duration_s,
-                        "error": s.error_summary, "error_at": s.error_at, "rerun": s.rerun}
+                        "error": s.error_summary, "error_at": s.error_at, "rerun": s.rerun, "stale": s.stale}
                        for s in r.stages],
         })
     return out

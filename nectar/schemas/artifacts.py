@@ -84,6 +84,14 @@ class DatasetRow(Artifact):
     max_train_similarity: float | None = None
 
 
+class FileDigest(Artifact):
+    """One output file's content digest, as its stage's manifest records it (a part of
+    StageManifest, versioned with it: no schema_version of its own, a manifest lists thousands)."""
+
+    sha256: str
+    size: int
+
+
 # pair_split codes in the targets group (one int8 per pair).
 SPLIT_CODES: dict[str, int] = {"train": 0, "test": 1, "probes": 2}
 
@@ -109,12 +117,15 @@ class StageManifest(Artifact):
     cache_key: str
     config: dict[str, Any]
     inputs: dict[str, str]  # name → content hash
-    outputs: dict[str, str]  # relative path → content hash
+    outputs: dict[str, str]  # declared output (file or folder) → content digest (nectar/integrity.py)
     code_version: str
     counts: dict[str, Any] = Field(default_factory=dict)
     started_at: str
     finished_at: str
     duration_s: float
+    # every file of the outputs (folders expanded: each Zarr shard) → its digest; checked before
+    # the stage counts as cached. Empty in manifests of older releases (they are never cached).
+    files: dict[str, FileDigest] = Field(default_factory=dict)
 
 
 class RunManifest(Artifact):

@@ -50,7 +50,8 @@ class LLMConfig(FrozenConfig):
     max_concurrency: int = resource(8)
     batch_size: int = resource(8)
     max_retries: int = resource(3)
-    timeout_s: float = resource(300.0)
+    timeout_s: float = resource(300.0)  # one attempt
+    retry_budget_s: float = resource(900.0)  # one request's attempts and waits together (openai backend)
 
 
 class ChunkConfig(FrozenConfig):

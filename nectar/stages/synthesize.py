@@ -5,7 +5,9 @@ JSON-schema structured output {"scratchpad", "pairs": [{instruction, response}] 
 scratchpad still comes first; without a schema the paper's plain form "<scratchpad>…</scratchpad>
 [ … ]" is parsed tolerantly. Every request's rows are written to ``partial/c{chunk}-{task}.parquet``
 as soon as it finishes, so a killed run resumes without redoing finished requests. A reply that
-doesn't parse becomes one row with ``parse_error`` set — counted, never dropped.
+doesn't parse becomes one row with ``parse_error`` set — counted, never dropped. A request that
+failed outright (the server answered 5xx after its retries, timed out, sent garbage) is not a reply:
+it is not saved, the stage fails naming it, and the re-run asks it again (as verify does).
 """
 from __future__ import annotations
 
@@ -26,6 +28,10 @@ _INSTRUCTION_KEYS = ("instruction", "question", "prompt", "query")
 _RESPONSE_KEYS = ("response", "answer", "output")
 
 
+class SynthesizeError(RuntimeError):
+    """Some synthesis requests failed outright (server, timeout); what succeeded is saved for the re-run."""
+
+
 def synthesize(chunks: list[ChunkRow], cfg: SynthesizeConfig, backend: ChatBackend, out_url: str,
                progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Write ``<out_url>/pairs.parquet`` (PairRow) and return counts."""
@@ -42,8 +48,13 @@ def synthesize(chunks: list[ChunkRow], cfg: SynthesizeConfig, backend: ChatBacke
         for c, task, n in pending
     ]
 
+    failures: list[str] = []
+
     def on_result(i: int, result: ChatResult) -> None:
         c, task, _ = pending[i]
+        if result.error is not None:  # the request itself failed (server, timeout): asked again next run
+            failures.append(f"{_job_name(c, task)}: {result.error}")
+            return
         store.write(_job_name(c, task), rows_from_result(c.chunk_id, task, result))
 
     base = len(jobs) - len(pending)
@@ -51,6 +62,10 @@ def synthesize(chunks: list[ChunkRow], cfg: SynthesizeConfig, backend: ChatBacke
     if report:
         report(0, len(pending))
     backend.chat_many(requests, progress=report, on_result=on_result)
+    if failures:
+        raise SynthesizeError(f"{len(failures)} of {len(pending)} synthesis request(s) failed (first: {failures[0]}); "
+                              f"the {len(pending) - len(failures)} that succeeded are saved and a re-run asks only "
+                              "the failed ones")
 
     rows = [row for c, task, _ in jobs for row in store.read(_job_name(c, task))]
     write_table(f"{out_url.rstrip('/')}/{PAIRS_FILE}", rows, PairRow)

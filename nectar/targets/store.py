@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import numpy as np
 import zarr
+from zarr.codecs import Crc32cCodec, ZstdCodec
 from pydantic import ValidationError
 
 from ..schemas.artifacts import TargetsHeader
 from ..tables import ArtifactError
 
 HEADER_KEY = "nectar_targets"
+CHECKED = (Crc32cCodec(),)  # the last codec of every array: a checksum per chunk
 
 
 def open_store(url: str):
@@ -36,9 +38,11 @@ def create_targets(url: str, header: TargetsHeader, chunk_tokens: int, shard_tok
         # of the stage's time on CPU, so they are stored raw; integer/bool arrays keep zstd.
         raw = np.dtype(dtype).kind == "f"
         # Every chunk is written once, whole: skip zarr's scan of each chunk for all-fill values.
+        # A crc32c per chunk: reading a damaged chunk raises instead of returning wrong numbers.
         g.create_array(name, shape=shape, dtype=dtype, chunks=(chunk_tokens, *tail_chunks),
                        shards=(shard, *tail_chunks), fill_value=0,
-                       compressors=None if raw else "auto", config={"write_empty_chunks": True})
+                       compressors=CHECKED if raw else (ZstdCodec(level=0), *CHECKED),
+                       config={"write_empty_chunks": True})
 
     arr("q", (T, L, H, d), vdt, (L, H, d))
     arr("A", (T, L, H, d), vdt, (L, H, d))
@@ -48,8 +52,10 @@ def create_targets(url: str, header: TargetsHeader, chunk_tokens: int, shard_tok
     arr("token_ids", (T,), "int32", ())
     arr("positions", (T,), "int32", ())
     arr("response_mask", (T,), "bool", ())
-    g.create_array("pair_offsets", shape=(P + 1,), dtype="int64", chunks=(max(P + 1, 1),))
-    g.create_array("pair_split", shape=(max(P, 1),), dtype="int8", chunks=(max(P, 1),))
+    g.create_array("pair_offsets", shape=(P + 1,), dtype="int64", chunks=(max(P + 1, 1),),
+                   compressors=(ZstdCodec(level=0), *CHECKED))
+    g.create_array("pair_split", shape=(max(P, 1),), dtype="int8", chunks=(max(P, 1),),
+                   compressors=(ZstdCodec(level=0), *CHECKED))
     g.attrs[HEADER_KEY] = header.model_dump(mode="json")
     g.attrs["written_tokens"] = 0
     return g

@@ -1,5 +1,8 @@
 """Data parallelism with ``torchrun`` (DistributedDataParallel; gloo on CPU, nccl on CUDA).
 
+Collectives go through ``all_reduce_sum``, which puts their tensors where the backend reduces them
+(CUDA under NCCL, CPU under gloo): an NCCL all-reduce of a CPU tensor fails.
+
 Every rank holds the whole (small) module and reads its strided share of each global batch; DDP
 all-reduces gradients in backward, so every rank applies the same update. Only rank 0 writes files.
 """
@@ -57,10 +60,25 @@ def barrier(info: DistInfo) -> None:
         dist.barrier()
 
 
+def reduce_device(info: DistInfo) -> torch.device:
+    """Where tensors handed to a collective must live: NCCL reduces CUDA tensors only (this rank's
+    GPU, set by ``init_from_env``); gloo reduces CPU tensors."""
+    if info.active and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce_sum(values: list[float], info: DistInfo) -> list[float]:
+    """Sum ``values`` over ranks (float64, on the backend's device); unchanged on one process."""
+    if not info.active:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=reduce_device(info))
+    dist.all_reduce(t)
+    return t.cpu().tolist()
+
+
 def all_ranks_agree(flag: bool, info: DistInfo) -> bool:
     """True only if ``flag`` is true on every rank."""
     if not info.active:
         return flag
-    t = torch.tensor([0 if flag else 1])
-    dist.all_reduce(t)
-    return int(t.item()) == 0
+    return all_reduce_sum([0.0 if flag else 1.0], info)[0] == 0.0

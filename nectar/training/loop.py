@@ -28,7 +28,7 @@ from ..schemas.artifacts import TrainLogRow
 from ..schemas.config import TrainConfig
 from .checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from .data import PairBatch, TargetsData, TokenBatch, batch_items, shard_for_rank
-from .distributed import DistInfo, all_ranks_agree, barrier, dist_info, wrap
+from .distributed import DistInfo, all_ranks_agree, all_reduce_sum, barrier, dist_info, wrap
 from .losses import correct_sum, kl_topk_tail_sum, regression_sums
 from .schedule import LRFactor, Schedule, derive_schedule
 
@@ -215,11 +215,7 @@ class Trainer:
     def _reduce(self, stats: dict[str, float]) -> dict[str, float]:
         if not self.info.active:
             return stats
-        import torch.distributed as dist
-
-        t = torch.tensor([stats[k] for k in _STAT_KEYS], dtype=torch.float64)
-        dist.all_reduce(t)
-        return dict(zip(_STAT_KEYS, t.tolist()))
+        return dict(zip(_STAT_KEYS, all_reduce_sum([stats[k] for k in _STAT_KEYS], self.info)))
 
     def _pad_id(self) -> int:
         return int(getattr(self.base.tokenizer, "pad_token_id", 0) or 0)

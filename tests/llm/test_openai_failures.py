@@ -23,7 +23,7 @@ def req(i: int = 0, schema: dict | None = None) -> ChatRequest:
 
 
 def backend(url: str, **kw) -> OpenAIBackend:
-    kw = {"max_retries": 2, "backoff_s": 0.01, "timeout_s": 5.0, **kw}
+    kw = {"max_retries": 2, "timeout_s": 5.0, **kw}
     return OpenAIBackend(url, "fake-model", **kw)
 
 
@@ -96,7 +96,32 @@ def test_401_raises_unavailable_with_fake_auth_server():
 def test_timeout_is_an_error_result_with_fake_slow_server():
     with fake_server(lambda body, n: (200, completion("late")), delay_s=1.0) as srv:
         out = backend(srv.url, timeout_s=0.2, max_retries=1).chat_many([req()])
-    assert "timed out after 0.2s" in out[0].error
+    assert "timed out after 0.2s (2 attempt(s))" in out[0].error
+
+
+@pytest.mark.parametrize("status,header,value,wait_s", [(429, "Retry-After", "1", 1.0),
+                                                        (503, "retry-after-ms", "700", 0.7)])
+def test_retry_after_is_honoured_with_fake_rate_limiting_server(status, header, value, wait_s):
+    def reply(body, n):
+        return (status, {"error": "slow down"}, {header: value}) if n == 1 else (200, completion("ok"))
+
+    with fake_server(reply) as srv:
+        out = backend(srv.url).chat_many([req()])
+    assert out[0].ok and out[0].text == "ok" and len(srv.bodies) == 2
+    gap = srv.times[1] - srv.times[0]
+    assert wait_s - 0.05 <= gap < wait_s + 1.0, gap  # the server's delay, not the client's own 0.5 s backoff
+
+
+def test_retry_budget_bounds_one_request_with_fake_rate_limiting_server():
+    """A server that keeps asking for 100 s is not waited on past the budget."""
+    import time
+
+    with fake_server(lambda body, n: (429, {"error": "busy"}, {"Retry-After": "100"})) as srv:
+        t0 = time.monotonic()
+        out = backend(srv.url, retry_budget_s=1.5, max_retries=5).chat_many([req()])
+        took = time.monotonic() - t0
+    assert "gave up after 1.5s of attempts and waits (llm.retry_budget_s)" in out[0].error
+    assert took < 5 and len(srv.bodies) == 1
 
 
 def test_concurrency_is_bounded_with_fake_slow_server():

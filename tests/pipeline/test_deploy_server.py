@@ -259,6 +259,31 @@ def test_gpu_slot_serialises_gpu_stages_across_processes(prefect_server, deploye
     assert second["start"] >= first["end"] - 0.05, spans  # no overlap
 
 
+DOC_HOLDER = """
+import json, sys, time
+from nectar.pipeline.gpu_slots import doc_slot
+with doc_slot("manual-1a2b3c4d") as held:
+    start = time.time()
+    time.sleep(2.0)
+    print(json.dumps({"held": held, "start": start, "end": time.time()}))
+"""
+
+
+def test_doc_slot_serialises_runs_of_one_document_across_processes(prefect_server):
+    """Two processes enter doc_slot for the same document; the limit is created on first use with one slot."""
+    procs = [subprocess.Popen([sys.executable, "-c", DOC_HOLDER], env=prefect_server.env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+             for _ in range(2)]
+    spans = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-2000:]
+        spans.append(json.loads(out.strip().splitlines()[-1]))
+    assert all(s["held"] for s in spans)
+    first, second = sorted(spans, key=lambda s: s["start"])
+    assert second["start"] >= first["end"] - 0.05, spans
+
+
 def test_prefect_yaml_deploys_the_same_deployments(prefect_server, deployed, tmp_path):
     """``prefect deploy --all`` with infra/prefect.yaml registers what ``nectar deploy`` does."""
     env = prefect_server.env(NECTAR_WORK_POOL="nectar-yaml", NECTAR_DATA_DIR=str(tmp_path),

@@ -93,3 +93,13 @@ def test_cli_errors_are_clear_and_exit_nonzero(no_server):
     assert out.exit_code == 2 and "PREFECT_API_URL is not set" in out.output
     out = runner.invoke(app, ["deploy", "--preset", "nope"])
     assert out.exit_code == 2 and "unknown preset 'nope'" in out.output
+
+
+def test_a_documents_own_deployment_runs_one_at_a_time():
+    from prefect.client.schemas.objects import ConcurrencyLimitStrategy
+
+    own = dep.pipeline_deployment("nectar", {"document": "/d/manual.txt", "preset": "tiny"}, "/wd", name="doc-manual")
+    assert own.concurrency_limit == 1
+    assert own.concurrency_options.collision_strategy == ConcurrencyLimitStrategy.ENQUEUE
+    generic = dep.pipeline_deployment("nectar", {"preset": "tiny"}, "/wd")  # documents come per trigger
+    assert generic.concurrency_limit is None  # ordered per document by the nectar-doc-<id> limit instead

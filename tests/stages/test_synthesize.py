@@ -144,7 +144,7 @@ def test_unreachable_server_raises_and_keeps_partial_work(tmp_path, chunks):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    dead = OpenAIBackend(f"http://127.0.0.1:{port}/v1", "m", max_retries=1, backoff_s=0.01)
+    dead = OpenAIBackend(f"http://127.0.0.1:{port}/v1", "m", max_retries=1)
     with pytest.raises(LLMUnavailableError, match=f"127.0.0.1:{port}"):
         synthesize(chunks, CFG, dead, str(tmp_path))
     assert not (tmp_path / "pairs.parquet").exists()
