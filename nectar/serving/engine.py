@@ -31,10 +31,18 @@ class ModuleEngine:
     joins_running_batch = False  # a request that arrives mid-batch waits for the next one
 
     def __init__(self, base: BaseModel, provider, n_context: int):
-        self.base, self.provider, self.n_context = base, provider, n_context
+        self.base, self.n_context = base, n_context
         # end-of-sequence is the engine's (the model's eos ids): the row ends with finish "stop"
         self.engine = DecodeEngine(base, provider, n_context)
         self._seeds = random.Random()
+
+    @property
+    def provider(self):
+        return self.engine.provider
+
+    @provider.setter
+    def provider(self, provider) -> None:  # swapped in tests to inject failures
+        self.engine.provider = provider
 
     def batch_key(self, params: SamplingParams) -> Hashable:
         return ("any",)  # per-row sampling: every request can share a batch

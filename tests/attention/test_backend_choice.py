@@ -3,7 +3,7 @@ model, and on CUDA the fused path keeps float32 queries in float32 (GPU figures 
 import pytest
 import torch
 
-from nectar.attention import prefix
+from nectar.attention import kernels
 from nectar.attention.kernels import choose_backend, fused_state
 from nectar.attention.state import attention_state
 
@@ -17,7 +17,7 @@ CUDA, CPU = torch.device("cuda"), torch.device("cpu")
     (torch.bfloat16, False, "fused"),
 ])
 def test_auto_picks_flash_only_for_half_precision_models(monkeypatch, dtype, flash_installed, expected):
-    monkeypatch.setattr(prefix, "flash_available", lambda device: flash_installed and device.type == "cuda")
+    monkeypatch.setattr(kernels, "flash_available", lambda device: flash_installed and device.type == "cuda")
     assert choose_backend("auto", CUDA, dtype) == expected
     assert choose_backend("auto", CPU, dtype) == "fused"
 
