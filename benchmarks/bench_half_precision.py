@@ -34,7 +34,8 @@ sys.path.insert(0, str(HERE))
 from bench_scale import convert_store  # noqa: E402
 from bench_targets import synthetic_pairs  # noqa: E402
 
-from nectar.attention.prefix import ExactDocState, prefill_document  # noqa: E402
+from nectar.attention.doc_kv import prefill_document  # noqa: E402
+from nectar.attention.exact import ExactDocState  # noqa: E402
 from nectar.documents import load_document  # noqa: E402
 from nectar.evaluation.teacher import EvalPair, teacher_forced_sums  # noqa: E402
 from nectar.layout import build_layout  # noqa: E402

@@ -114,7 +114,7 @@ def targets_cfg(args, **kw):
 
 def child_capture(args) -> dict:
     """Prefill once, then the targets stage (float32, then online) over the synthetic pairs."""
-    from nectar.attention.prefix import prefill_document, save_doc_kv
+    from nectar.attention.doc_kv import prefill_document, save_doc_kv
     from nectar.stages import targets as stage
 
     base = load_model(args)
@@ -144,7 +144,7 @@ def child_train(args) -> dict:
     """Regression or mixed steps from a store; time per step and peak RSS."""
     import torch
 
-    from nectar.attention.prefix import DocKV
+    from nectar.attention.doc_kv import DocKV
     from nectar.schemas.config import ModuleConfig, TrainConfig
     from nectar.stages import train as train_stage
     from nectar.training import data as data_mod

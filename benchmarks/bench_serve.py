@@ -67,7 +67,7 @@ def make_run(model: str, document: str, root: Path) -> str:
 
 
 def in_process(run_dir: str, questions: list[str], max_tokens: int, batch: int) -> dict[str, dict]:
-    from nectar.attention.run import generate
+    from nectar.attention.engine import generate
     from nectar.modules.provider import ModuleDocState
     from nectar.serving.loader import load_served_module
 

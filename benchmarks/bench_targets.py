@@ -191,7 +191,7 @@ def run_child(args) -> dict:
 
 def time_stage(args, base, layout, rows, planned, cfg, doc_sha) -> dict:
     """The targets stage end to end: prefill once, then build_targets (capture + Zarr writes)."""
-    from nectar.attention.prefix import prefill_document
+    from nectar.attention.doc_kv import prefill_document
     from nectar.stages import targets as stage
 
     write_s = [0.0]
@@ -220,7 +220,8 @@ def time_stage(args, base, layout, rows, planned, cfg, doc_sha) -> dict:
 def time_compute(args, base, layout, rows, planned, cfg, doc_sha) -> dict:
     """The stage's compute alone: the same prefill and packed batches, results copied to host
     memory as the stage does, but nothing written. Like for like with the naive forward."""
-    from nectar.attention.prefix import ExactDocState, prefill_document
+    from nectar.attention.doc_kv import prefill_document
+    from nectar.attention.exact import ExactDocState
     from nectar.stages.targets import _capture, batch_plan  # the stage's own batching and batch step
 
     t0, c0 = time.perf_counter(), time.process_time()

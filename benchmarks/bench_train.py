@@ -29,8 +29,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nectar.attention.prefix import ExactDocState, prefill_document  # noqa: E402
-from nectar.attention.run import query_logits  # noqa: E402
+from nectar.attention.doc_kv import prefill_document  # noqa: E402
+from nectar.attention.exact import ExactDocState  # noqa: E402
+from nectar.attention.forward import query_logits  # noqa: E402
 from nectar.documents import load_document  # noqa: E402
 from nectar.layout import build_layout  # noqa: E402
 from nectar.models import load_base_model  # noqa: E402

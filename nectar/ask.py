@@ -10,11 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from .attention.run import generate
+from .attention.engine import generate
 from .layout import PromptLayout
 from .models import BaseModel
 from .modules.builder import NectarModule
-from .modules.provider import ModuleDocState
+from .modules.provider import inference_provider
 
 TextCallback = Callable[[str], None]
 
@@ -63,8 +63,8 @@ def answer(base: BaseModel, module: NectarModule, layout: PromptLayout, n_contex
         raise ValueError("the question is empty")
     detok = _Detokenizer(base.tokenizer, stream)
     prompt = layout.prompt(question).ids
-    tokens = stream_tokens(base, ModuleDocState(module), n_context, prompt, max_new_tokens, temperature,
-                           top_p, seed, detok.push)
+    provider = inference_provider(module, base.dtype)  # the fused module (modules/fused.py)
+    tokens = stream_tokens(base, provider, n_context, prompt, max_new_tokens, temperature, top_p, seed, detok.push)
     return Answer(detok.text(), tokens, n_context)
 
 

@@ -20,9 +20,14 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .kernels import fused_state
 from .state import AttnState, attention_state, expand_kv, merge_states
 
 IMPL_NAME = "nectar"
+# The decode engine's implementation: the same function, but registered without a mask function, so
+# transformers builds no mask at all (the engine's LocalKV holds its own masks on the device, and
+# the mask preparation would read tensors back to the host every step).
+ENGINE_IMPL_NAME = "nectar_engine"
 
 
 class DocStateProvider(Protocol):
@@ -37,10 +42,11 @@ class _Active:
     """Per-model state of an active context (looked up by the attention module's config)."""
 
     def __init__(self, provider: DocStateProvider | None, recorder: Recorder | None,
-                 segments: tuple[tuple[int, int], ...] | None):
+                 segments: tuple[tuple[int, int], ...] | None, local_kv=None):
         self.provider = provider
         self.recorder = recorder
         self.segments = segments
+        self.local_kv = local_kv  # the decode engine's batch (attends through its local_cache.LocalKV)
 
 
 _ACTIVE: dict[int, _Active] = {}
@@ -61,6 +67,9 @@ def nectar_attention_forward(
     if active is None:
         raise RuntimeError("nectar attention called outside nectar_attention(...) context")
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if active.local_kv is not None:  # the decode engine: its own cache and masks (local_cache.py)
+        doc = active.provider(module.layer_idx, query, scaling) if active.provider is not None else None
+        return active.local_kv.attend(module.layer_idx, query, key, value, scaling, doc), None
     if attention_mask is not None and attention_mask.dtype != torch.bool:
         attention_mask = attention_mask > -1  # additive float mask → visibility
     if active.segments is not None:
@@ -80,11 +89,9 @@ def _local_state(query, key, value, attention_mask, scaling) -> AttnState:
     if attention_mask is None and m == k_len and m > 1:
         # Plain causal attention over a fresh block (teacher forcing, capture, prefill of a prompt):
         # torch's fused kernel returns the lse too.
-        from .prefix import _fused_state
-
         try:
             hq = query.shape[1]
-            return _fused_state(query, expand_kv(key, hq), expand_kv(value, hq), scaling, causal=True)
+            return fused_state(query, expand_kv(key, hq), expand_kv(value, hq), scaling, causal=True)
         except RuntimeError:
             pass  # kernel unavailable for this dtype/device: exact math below
     return attention_state(query, key, value, scaling,
@@ -112,6 +119,7 @@ def _packed_local_state(query, key, value, segments, scaling) -> AttnState:
 
 
 AttentionInterface.register(IMPL_NAME, nectar_attention_forward)
+AttentionInterface.register(ENGINE_IMPL_NAME, nectar_attention_forward)
 # Same mask semantics as sdpa: a bool mask, or None when plain causal attention suffices.
 AttentionMaskInterface.register(IMPL_NAME, sdpa_mask)
 
@@ -122,11 +130,15 @@ def nectar_attention(
     provider: DocStateProvider | None,
     recorder: Recorder | None = None,
     segments: list[tuple[int, int]] | None = None,
+    local_kv=None,
 ) -> Iterator[None]:
     """Install the NECTAR attention on ``model`` for the duration of the block (removed in finally).
 
     ``segments``: the forwards inside the block take one packed row of several query sequences, the
     (start, stop) ranges given here, each attending only to itself locally (see ``_packed_local_state``).
+    ``local_kv``: the decode engine's batch, any object with ``attend(layer, q, k, v, scaling, doc)``
+    over its local cache (``local_cache.LocalKV``); the model is then called with ``use_cache=False``
+    and no attention mask, and every layer attends through it.
     """
     # Attention layers may hold a sub-config (multimodal wrappers); key by each layer's config.
     config_ids = {id(mod.config) for mod in model.modules() if hasattr(mod, "layer_idx") and hasattr(mod, "config")}
@@ -135,10 +147,11 @@ def nectar_attention(
         if config_ids & _ACTIVE.keys():
             raise RuntimeError("nectar_attention is already active on this model")
         for cid in config_ids:
-            _ACTIVE[cid] = _Active(provider, recorder, tuple(segments) if segments is not None else None)
+            _ACTIVE[cid] = _Active(provider, recorder, tuple(segments) if segments is not None else None,
+                                   local_kv)
     previous = model.config._attn_implementation
     try:
-        model.set_attn_implementation(IMPL_NAME)
+        model.set_attn_implementation(ENGINE_IMPL_NAME if local_kv is not None else IMPL_NAME)
         yield
     finally:
         model.set_attn_implementation(previous)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from ..attention.run import generate
+from ..attention.engine import DecodeEngine, Request
 from ..layout import PromptLayout
 from ..models import BaseModel
 from ..schemas.artifacts import GenerationRow
@@ -44,19 +44,25 @@ def generate_answers(
     batch_size: int = 8,
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, dict[str, str]]:
-    """{model: {pair_id: answer}} for every provider, batched by generation length."""
+    """{model: {pair_id: answer}} for every provider, batched by generation length.
+
+    Item i samples with seed ``cfg.seed + i`` for every model, and the engine's draws depend only
+    on a row's seed and token index, so an answer does not depend on the batch it ran in. One
+    decode engine per model, reused by every batch (its buffers, and on CUDA its decode graphs)."""
     answers: dict[str, dict[str, str]] = {name: {} for name in providers}
-    by_len: dict[int, list[GenItem]] = {}
-    for it in items:
-        by_len.setdefault(max_new_tokens(it.task, cfg), []).append(it)
+    engines = {name: DecodeEngine(base, provider, layout.n) for name, provider in providers.items()}
+    by_len: dict[int, list[tuple[int, GenItem]]] = {}
+    for i, it in enumerate(items):
+        by_len.setdefault(max_new_tokens(it.task, cfg), []).append((i, it))
     done, total = 0, len(items) * len(providers)
     for length, group in sorted(by_len.items()):
         for lo in range(0, len(group), batch_size):
-            batch = group[lo: lo + batch_size]
+            batch = [it for _, it in group[lo: lo + batch_size]]
+            seeds = [cfg.seed + i for i, _ in group[lo: lo + batch_size]]
             prompts = [layout.prompt(it.instruction).ids for it in batch]
-            for name, provider in providers.items():
-                res = generate(base, provider, layout.n, prompts, max_new_tokens=length,
-                               temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed + lo)
+            requests = [Request(p, length, cfg.temperature, cfg.top_p, seed) for p, seed in zip(prompts, seeds)]
+            for name, engine in engines.items():
+                res = engine.run(requests)
                 for it, toks in zip(batch, res.tokens):
                     answers[name][it.pair_id] = _decode(base, toks)
                 done += len(batch)

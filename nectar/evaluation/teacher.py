@@ -1,6 +1,6 @@
 """Teacher-forced evaluation of the three models, and the per-head App. C errors from the targets.
 
-Every model is the same base model with a different document provider (nectar.attention.run):
+Every model is the same base model with a different document provider (nectar.attention.forward):
 ``module`` (the trained module), ``full`` (ExactDocState over the document's cached KV, never
 re-prefilled) and ``none`` (no document). The query tokens are the ones the targets stage cached,
 so every stage scores exactly the same token sequences.
@@ -13,7 +13,7 @@ from typing import Callable, Iterable
 import numpy as np
 import torch
 
-from ..attention.run import query_logits
+from ..attention.forward import query_logits
 from ..models import BaseModel
 from .metrics import HeadErrors, TokenSums, layer_head_errors, response_targets, token_sums
 

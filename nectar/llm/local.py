@@ -7,31 +7,31 @@ document) is prefilled once — or found in the LRU of earlier prefixes — and 
 batches of ``batch_size`` after it. The batch never copies the prefix: each attention layer
 merges the exact attention over the one shared prefix KV with the attention over the row's own
 tokens (nectar.attention's exact document-state provider), so the cost per request does not
-grow with batch × document. Within a batch the suffixes are left-padded (masked out, with
-explicit positions so every real token keeps the position it would have unpadded); rows that
-finish are removed from the batch so the rest decode faster.
+grow with batch × document. Decoding is the project's one decode engine
+(``nectar.attention.engine``): suffixes left-padded with explicit positions, a preallocated local
+cache, each row with its own budget, temperature, top-p and seed; rows that finish leave the batch
+so the rest decode faster. A JSON-schema row masks its logits before every sampling (xgrammar) and
+feeds each token back to its matcher.
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import torch
 
+from ..attention.engine import DecodeEngine, Request
+from ..attention.exact import ExactDocState
 from ..models import BaseModel
 from .grammar import SchemaGrammar
-from .kvcache import preallocated_cache
 from .parsing import find_json
 from .prefix import PrefixCacheLRU, PrefixKV, common_prefix_len, prefill
-from .sampling import next_token, row_generator
 from .types import ChatRequest, ChatResult, OnResult, Progress
 
 
 @dataclass
 class _Row:
     request: ChatRequest
-    generator: torch.Generator | None
     matcher: object | None
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
@@ -124,7 +124,7 @@ class LocalBackend:
         if len(prompts) < 2 or common < self.min_prefix_tokens:
             return cached  # a one-off prompt isn't worth a cache entry
         self.prefixes.misses += 1
-        entry = prefill(self.model, prompts[0][:common], base=cached)
+        entry = prefill(self.base, prompts[0][:common], start=cached)
         self.prefill_tokens += common - (cached.length if cached else 0)
         self.prefixes.put(entry)
         return entry
@@ -142,97 +142,38 @@ class LocalBackend:
             self._grammar = SchemaGrammar(self.tokenizer, vocab, sorted(self.stop_ids))
         return self._grammar
 
-    @contextlib.contextmanager
-    def _prefix_attention(self, prefix: PrefixKV | None) -> Iterator[None]:
-        """With a shared prefix, every attention layer merges the exact attention over the ONE
-        prefix KV (batch folded into the query axis: no per-row copy of the document) with the
-        attention over the row's own cached tokens — nectar.attention's exact provider."""
-        if prefix is None:
-            yield
-            return
-        from ..attention.interface import nectar_attention
-        from ..attention.prefix import ExactDocState
+    def engine(self, prefix: PrefixKV | None) -> DecodeEngine:
+        """The decode engine over ``prefix``: every attention layer merges the exact attention over
+        the ONE prefix KV (batch folded into the query axis: no per-row copy of the document) with
+        the attention over the row's own tokens — nectar.attention's exact provider."""
+        provider = ExactDocState(prefix.doc_kv()) if prefix is not None else None
+        return DecodeEngine(self.base, provider, prefix.length if prefix else 0, stop_ids=sorted(self.stop_ids))
 
-        with nectar_attention(self.model, ExactDocState(prefix.doc_kv())):
-            yield
-
-    @torch.inference_mode()
     def _generate(self, suffixes: list[list[int]], requests: list[ChatRequest],
                   prefix: PrefixKV | None) -> list[ChatResult]:
-        with self._prefix_attention(prefix):
-            return self._decode(suffixes, requests, prefix)
+        rows = [_Row(req, self._grammar_for().matcher(req.json_schema) if req.constrained else None)
+                for req in requests]
 
-    def _decode(self, suffixes: list[list[int]], requests: list[ChatRequest],
-                prefix: PrefixKV | None) -> list[ChatResult]:
-        device, p = self.base.device, (prefix.length if prefix else 0)
-        cache, attn, logits = self._start_batch(suffixes, prefix, requests)
-        rows = [self._new_row(req) for req in requests]
-        next_pos = torch.tensor([p + len(x) for x in suffixes], device=device)  # [b]
-        active = list(range(len(suffixes)))  # rows still decoding, in cache order
-        while active:
-            keep, tokens = self._step(logits, [rows[r] for r in active])
-            if not keep:
-                break
-            if len(keep) < len(active):  # drop finished rows from the cache and masks
-                idx = torch.tensor(keep, device=device)
-                cache.batch_select_indices(idx)
-                attn, next_pos = attn[idx], next_pos[idx]
-                active = [active[j] for j in keep]
-            attn = torch.cat([attn, torch.ones((len(active), 1), dtype=attn.dtype, device=device)], dim=1)
-            step_ids = torch.tensor(tokens, device=device)[:, None]  # [b_active, 1]
-            out = self.model(input_ids=step_ids, attention_mask=attn, position_ids=next_pos[:, None],
-                             past_key_values=cache, use_cache=True)
-            next_pos = next_pos + 1
-            logits = out.logits[:, -1, :].float()
-        return [self._result(row, p + len(x)) for row, x in zip(rows, suffixes)]
-
-    @torch.inference_mode()
-    def _start_batch(self, suffixes: list[list[int]], prefix: PrefixKV | None, requests: list[ChatRequest]):
-        """Run the suffixes after the prefix: (cache, attention mask [b, s], last logits [b, V]).
-
-        The cache and mask hold only the rows' own tokens; the prefix is attended through
-        ``_prefix_attention`` (which must be active when a prefix is given)."""
-        device, config = self.base.device, self.model.config
-        b, s, p = len(suffixes), max(len(x) for x in suffixes), (prefix.length if prefix else 0)
-        ids = torch.full((b, s), self.tokenizer.pad_token_id, dtype=torch.long, device=device)  # [b, s]
-        real = torch.zeros((b, s), dtype=torch.long, device=device)  # [b, s] 1 = real token
-        for r, x in enumerate(suffixes):
-            ids[r, s - len(x):] = torch.tensor(x, device=device)
-            real[r, s - len(x):] = 1
-        # Real tokens sit at p, p+1, … exactly as without padding; pads get any valid position.
-        pos = (p + real.cumsum(dim=1) - 1).clamp(min=0)  # [b, s]
-        cache = preallocated_cache(config, b, s + max(r.max_new_tokens for r in requests))
-        out = self.model(input_ids=ids, attention_mask=real, position_ids=pos, past_key_values=cache,
-                         use_cache=True, logits_to_keep=1)
-        self.prefill_tokens += int(real.sum())
-        return cache, real, out.logits[:, -1, :].float()
-
-    def _new_row(self, req: ChatRequest) -> _Row:
-        gen = row_generator(req.seed, self.base.device) if req.temperature > 0 else None
-        matcher = self._grammar_for().matcher(req.json_schema) if req.constrained else None
-        return _Row(req, gen, matcher)
-
-    def _step(self, logits: torch.Tensor, rows: list[_Row]) -> tuple[list[int], list[int]]:
-        """Pick one token per active row; return (indices of rows still going, their tokens)."""
-        matchers = [row.matcher for row in rows]
-        if any(m is not None for m in matchers):
-            self._grammar_for().mask_logits(logits, matchers)
-        keep, tokens = [], []
-        for j, row in enumerate(rows):
-            tok = next_token(logits[j], row.request.temperature, row.request.top_p, row.generator)
+        def on_token(i: int, tok: int) -> bool:
+            row = rows[i]
             if row.matcher is not None and not row.matcher.accept_token(tok):
                 row.finish_reason, row.error = "error", f"grammar rejected token {tok}"
-                continue
-            if tok in self.stop_ids:
-                row.finish_reason = "stop"
-                continue
+                return True
             row.tokens.append(tok)
-            if len(row.tokens) >= row.request.max_new_tokens:
-                row.finish_reason = "length"
-                continue
-            keep.append(j)
-            tokens.append(tok)
-        return keep, tokens
+            return False
+
+        hook = None
+        if any(row.matcher is not None for row in rows):
+            def hook(logits: torch.Tensor, active: list[int]) -> None:
+                self._grammar_for().mask_logits(logits, [rows[i].matcher for i in active])
+
+        reqs = [Request(x, r.max_new_tokens, r.temperature, r.top_p, r.seed) for x, r in zip(suffixes, requests)]
+        res = self.engine(prefix).run(reqs, on_token=on_token, logits_hook=hook)
+        self.prefill_tokens += sum(len(x) for x in suffixes)
+        p = prefix.length if prefix else 0
+        for row, reason in zip(rows, res.finish_reasons):
+            row.finish_reason = row.finish_reason or reason
+        return [self._result(row, p + len(x)) for row, x in zip(rows, suffixes)]
 
     def _result(self, row: _Row, n_prompt: int) -> ChatResult:
         text = self.tokenizer.decode(row.tokens, skip_special_tokens=True)

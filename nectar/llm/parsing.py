@@ -15,7 +15,9 @@ _THINK = re.compile(r"<think>.*?(</think>|$)", re.DOTALL)
 _FENCE = re.compile(r"```(?:json|JSON)?\s*\n?(.*?)(?:```|$)", re.DOTALL)
 _TRAILING_COMMA = re.compile(r",\s*([}\]])")
 _PY_LITERALS = re.compile(r"\b(True|False|None)\b")
-_DECODER = json.JSONDecoder()
+# strict=False: a raw control character inside a string (xgrammar's JSON grammar lets byte-level
+# tokens such as \x17 through) is kept rather than failing the whole value.
+_DECODER = json.JSONDecoder(strict=False)
 
 
 def strip_reasoning(text: str) -> str:

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-from transformers import DynamicCache
+
+from ..attention.doc_kv import DocKV, prefill_document
 
 PREFILL_CHUNK = 1024  # tokens per forward when prefilling: bounds activation memory on long documents
 
@@ -21,7 +22,7 @@ PREFILL_CHUNK = 1024  # tokens per forward when prefilling: bounds activation me
 @dataclass(frozen=True)
 class PrefixKV:
     ids: tuple[int, ...]
-    kv: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer (keys, values), each [1, h_kv, P, d]
+    kv: DocKV  # per layer [h_kv, P, d]: served to the decode engine by the exact document provider
 
     @property
     def length(self) -> int:
@@ -32,18 +33,10 @@ class PrefixKV:
         return token_hash(self.ids)
 
     def nbytes(self) -> int:
-        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.kv)
+        return self.kv.nbytes()
 
-    def doc_kv(self):
-        """The prefix as nectar.attention's DocKV: per layer [h_kv, P, d] views, no copy."""
-        from ..attention.prefix import DocKV
-
-        return DocKV([k[0] for k, _ in self.kv], [v[0] for _, v in self.kv])
-
-    def expand(self, batch: int, config) -> DynamicCache:
-        """A fresh cache holding this prefix for ``batch`` rows ([b, h_kv, P, d] per layer)."""
-        data = [(k.expand(batch, -1, -1, -1), v.expand(batch, -1, -1, -1)) for k, v in self.kv]
-        return DynamicCache(ddp_cache_data=data, config=config)
+    def doc_kv(self) -> DocKV:
+        return self.kv
 
 
 def token_hash(ids: Sequence[int]) -> str:
@@ -61,19 +54,12 @@ def common_prefix_len(seqs: Sequence[Sequence[int]]) -> int:
     return n
 
 
-@torch.inference_mode()
-def prefill(model, ids: Sequence[int], base: PrefixKV | None = None) -> PrefixKV:
-    """KV cache of ``ids`` (batch 1), continuing from ``base`` when it is a prefix of ``ids``."""
-    device = next(model.parameters()).device
-    start = 0
-    cache = DynamicCache(config=model.config)
-    if base is not None:
-        assert tuple(ids[: base.length]) == base.ids
-        cache, start = base.expand(1, model.config), base.length
-    for s in range(start, len(ids), PREFILL_CHUNK):
-        chunk = torch.tensor([list(ids[s:s + PREFILL_CHUNK])], device=device)  # [1, c]
-        model(input_ids=chunk, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    kv = tuple((layer.keys.contiguous(), layer.values.contiguous()) for layer in cache.layers)
+def prefill(base, ids: Sequence[int], start: PrefixKV | None = None) -> PrefixKV:
+    """KV cache of ``ids`` (a BaseModel's one document prefill), continuing from ``start`` when it is
+    a prefix of ``ids``."""
+    if start is not None and tuple(ids[: start.length]) != start.ids:
+        raise ValueError("prefill: the cached prefix is not a prefix of these tokens")
+    kv = prefill_document(base, ids, chunk_tokens=PREFILL_CHUNK, start=start.kv if start is not None else None)
     return PrefixKV(tuple(ids), kv)
 
 

@@ -12,6 +12,7 @@ import torch
 
 from ..attention.state import AttnState
 from .builder import NectarModule
+from .fused import FusedModule, fuse_module
 
 
 class ModuleDocState:
@@ -37,6 +38,38 @@ class ModuleDocState:
         out = A.reshape(b, g, t, hkv, d).permute(0, 3, 1, 2, 4).reshape(b, hq, t, d)  # [b, hq, m, d]
         lse = a.reshape(b, g, t, hkv).permute(0, 3, 1, 2).reshape(b, hq, t)  # [b, hq, m]
         return AttnState(out.float(), lse.float())
+
+
+class FusedModuleDocState:
+    """Provider for inference: the module's fused form (``fused.py``), queries taken head-major.
+
+    q [b, hq, m, d] is regrouped to [hkv, b·g·m, d] (query head h reads KV head h // g), a view when
+    b = m = 1 as in single-request decoding. Not differentiable: a snapshot of the weights."""
+
+    def __init__(self, module: NectarModule | FusedModule, dtype: torch.dtype | None = None):
+        self.module = module if isinstance(module, FusedModule) else fuse_module(module, dtype)
+
+    def __call__(self, layer: int, q: torch.Tensor, scaling: float) -> AttnState:
+        m = self.module
+        if not math.isclose(scaling, m.scaling, rel_tol=1e-5):
+            raise ValueError(f"layer {layer}: attention scaling {scaling} differs from the module's "
+                             f"{m.scaling}; the module was trained for another model")
+        b, hq, t, d = q.shape
+        hkv = m.num_kv_heads
+        if hq % hkv or d != m.head_dim:
+            raise ValueError(f"queries [b, {hq}, m, {d}] don't fit a module with {hkv} KV heads of "
+                             f"dim {m.head_dim}")
+        g = hq // hkv
+        qh = q.reshape(b, hkv, g * t, d).transpose(0, 1).reshape(hkv, b * g * t, d)  # [hkv, b·g·m, d]
+        A, a = m.predict(layer, qh)  # [hkv, b·g·m, d], [hkv, b·g·m]
+        out = A.reshape(hkv, b, g * t, d).transpose(0, 1).reshape(b, hq, t, d)  # [b, hq, m, d]
+        lse = a.reshape(hkv, b, g * t).transpose(0, 1).reshape(b, hq, t)  # [b, hq, m]
+        return AttnState(out.float(), lse)
+
+
+def inference_provider(module: NectarModule, dtype: torch.dtype | None = None) -> FusedModuleDocState:
+    """The provider to decode with: the fused module (weights in ``dtype``, default the module's)."""
+    return FusedModuleDocState(module, dtype)
 
 
 def group_queries(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:

@@ -184,7 +184,7 @@ def doc_kv_meta(ctx: RunContext, base) -> dict[str, str]:
 
 def load_run_doc_kv(ctx: RunContext):
     """The document KV the targets stage saved (checked against this run's model and document)."""
-    from ..attention.prefix import load_doc_kv
+    from ..attention.doc_kv import load_doc_kv
 
     base = load_base(ctx.config)
     return load_doc_kv(ctx.stage_run("targets").url("targets", "doc_kv.safetensors"), base, doc_kv_meta(ctx, base))

@@ -333,7 +333,7 @@ def _repair_targets(stage_url: str, changes: list[integrity.Change]) -> list[int
 def _document_kv(ctx: RunContext, base, layout, kv_url: str):
     """The document KV, prefilled once per (model, document): reused from an interrupted attempt of
     this same stage when its header matches, rebuilt when it was made for another model/document."""
-    from ..attention.prefix import DocKVMismatch, prefill_document, save_doc_kv
+    from ..attention.doc_kv import DocKVMismatch, prefill_document, save_doc_kv
 
     if ctx.stage_run("targets").exists("targets", "doc_kv.safetensors"):
         try:

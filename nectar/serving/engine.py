@@ -1,26 +1,22 @@
-"""The server's one seam to the decode engine: ``nectar.attention.run.generate``.
+"""The server's one seam to the decode engine (``nectar.attention.engine.DecodeEngine``).
 
-Everything the server knows about the engine is in this file, so moving to another engine (per-row
-sampling parameters, requests joining a running batch) changes this file only. Today's engine takes
-one set of sampling parameters per batch and a batch-wide token budget, streams every token through
-``on_token(row, token)``, and has no way to retire one row early. So:
+Everything the server knows about the engine is in this file. The engine samples every row with its
+own temperature, top-p, seed and token budget, and a row leaves the batch when ``on_token`` returns
+True, so:
 
-* ``batch_key``: requests may share a batch when their sampling is the same — all greedy requests
-  together; sampled requests with equal (temperature, top_p); a *seeded* sampled request alone,
-  because the engine draws one random stream for the whole batch and the same seed must give the
-  same answer whatever else is running (it then equals ``nectar ask --seed``).
-* the batch runs to the largest max_tokens in it; each row's job stops taking tokens at its own
-  max_tokens, stop string or end-of-sequence, and answers its client at once.
-* end-of-sequence is detected here (the engine is given no stop ids, so it hands every token over),
-  and once every row is finished the batch is ended by raising out of ``on_token``: the engine's
-  attention hooks are removed in a ``finally``, and no step is decoded that nobody reads.
+* ``batch_key``: any requests may share a batch. A seeded request's draws depend only on its seed and
+  token index, so it samples the same answer whatever else is running (it equals ``nectar ask --seed``).
+* each row's job stops taking tokens at its own max_tokens, stop string or end-of-sequence, answers its
+  client at once, and its row leaves the batch at the engine's next check.
+* one ``DecodeEngine`` is kept for the server's lifetime: its buffers (and on CUDA its captured graphs)
+  are reused from batch to batch.
 """
 from __future__ import annotations
 
 import random
 from collections.abc import Hashable
 
-from ..attention.run import _stop_ids, generate
+from ..attention.engine import DecodeEngine, Request
 from ..models import BaseModel
 from .job import Job, SamplingParams
 
@@ -32,41 +28,30 @@ class _BatchFinished(Exception):
 class ModuleEngine:
     """Decodes batches of jobs with the base model plus the module (no document in context)."""
 
-    joins_running_batch = False  # today's engine: a request that arrives mid-batch waits for the next
+    joins_running_batch = False  # a request that arrives mid-batch waits for the next one
 
     def __init__(self, base: BaseModel, provider, n_context: int):
-        self.base, self.provider, self.n_context = base, provider, n_context
-        self.eos = frozenset(_stop_ids(base))
+        self.base, self.n_context = base, n_context
+        # end-of-sequence is the engine's (the model's eos ids): the row ends with finish "stop"
+        self.engine = DecodeEngine(base, provider, n_context)
         self._seeds = random.Random()
 
+    @property
+    def provider(self):
+        return self.engine.provider
+
+    @provider.setter
+    def provider(self, provider) -> None:  # swapped in tests to inject failures
+        self.engine.provider = provider
+
     def batch_key(self, params: SamplingParams) -> Hashable:
-        if params.temperature <= 0:
-            return ("greedy",)
-        if params.seed is not None:
-            return ("seeded", object())  # unique: runs alone
-        return ("sampled", params.temperature, params.top_p)
+        return ("any",)  # per-row sampling: every request can share a batch
 
     def run(self, jobs: list[Job]) -> None:
-        """Decode one batch (jobs of one ``batch_key``); every job ends finished or failed."""
-        params = jobs[0].params
-        seed = params.seed if params.seed is not None else self._seeds.randrange(2**31)
-
-        def on_token(row: int, token: int) -> None:
-            job = jobs[row]
-            if job.finished:
-                return
-            if token in self.eos:
-                job.finish("stop")
-            else:
-                job.accept(token)
-            if all(j.finished for j in jobs):
-                raise _BatchFinished
-
-        try:
-            generate(self.base, self.provider, self.n_context, [j.prompt_ids for j in jobs],
-                     max(j.params.max_tokens for j in jobs), params.temperature, params.top_p, seed,
-                     stop_ids=(), on_token=on_token)
-        except _BatchFinished:
-            pass
-        for job in jobs:  # the engine's budget ran out first (cannot happen while budgets agree)
-            job.finish("length")
+        """Decode one batch of jobs; every job ends finished or failed."""
+        requests = [Request(j.prompt_ids, j.params.max_tokens, j.params.temperature, j.params.top_p,
+                            j.params.seed if j.params.seed is not None else self._seeds.randrange(2**31))
+                    for j in jobs]
+        result = self.engine.run(requests, on_token=lambda row, token: jobs[row].accept(token))
+        for job, reason in zip(jobs, result.finish_reasons):
+            job.finish("stop" if reason == "stop" else "length")  # no-op for jobs that ended themselves

@@ -21,7 +21,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..attention.prefix import DocKV, ExactDocState
+from ..attention.doc_kv import DocKV
+from ..attention.exact import ExactDocState
 from ..evaluation.benchmark import BENCH_PROMPT, run_benchmark, same_architecture
 from ..evaluation.generations import GenItem, generate_answers, generation_rows
 from ..evaluation.judge import ChatFn, JudgeItem, judge
@@ -31,7 +32,7 @@ from ..evaluation.teacher import EvalPair, head_errors, teacher_forced_sums
 from ..layout import PromptLayout
 from ..models import BaseModel
 from ..modules.builder import ModulePlan, NectarModule
-from ..modules.provider import ModuleDocState
+from ..modules.provider import ModuleDocState, inference_provider
 from ..schemas.artifacts import (ChunkRow, DatasetRow, GenerationRow, JudgmentRow, MetricsRow,
                                  ModuleSpec, TargetsPairRow, TrainLogRow)
 from ..schemas.config import EvaluateConfig
@@ -196,7 +197,8 @@ def evaluate(
                                  "re-run from the targets stage")
     items = [GenItem(p.pair_id, p.task, p.splits, by_id[p.pair_id].instruction, by_id[p.pair_id].response)
              for p in sel.pairs]
-    answers = generate_answers(base, layout, {"module": module_p, "full": full_p}, items, cfg,
+    gen_providers = {"module": inference_provider(module, base.dtype), "full": full_p}  # the fused module decodes
+    answers = generate_answers(base, layout, gen_providers, items, cfg,
                                gen_batch_size, lambda d, t: step("generate", d, t))
     generations = generation_rows(items, answers)
     for model in ("module", "full"):

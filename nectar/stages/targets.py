@@ -18,7 +18,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..attention.prefix import DocKV, ExactDocState
+from ..attention.doc_kv import DocKV
+from ..attention.exact import ExactDocState
 from ..layout import PromptLayout
 from ..models import BaseModel
 from ..schemas.artifacts import SPLIT_CODES, DatasetRow, TargetsHeader, TargetsPairRow

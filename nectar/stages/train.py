@@ -51,7 +51,7 @@ def train(
     targets_url: str,
     cfg: TrainConfig,
     base: BaseModel,
-    doc_kv,  # nectar.attention.prefix.DocKV | None (needed by quadrature modules and online targets)
+    doc_kv,  # nectar.attention.doc_kv.DocKV | None (needed by quadrature modules and online targets)
     out_url: str,
     progress: Callable[[int, int], None] | None = None,
     stop_after: int | None = None,  # stop (as if killed) after this many steps; for tests

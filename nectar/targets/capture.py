@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..attention.interface import nectar_attention
-from ..attention.prefix import ExactDocState
+from ..attention.exact import ExactDocState
 from ..attention.state import AttnState
 from ..models import BaseModel
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..attention.prefix import DocKV, ExactDocState
+from ..attention.doc_kv import DocKV
+from ..attention.exact import ExactDocState
 from ..models import BaseModel
 from ..training.data import TargetsData, TokenBatch
 from .capture import capture_packed

@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     base = load_base_model(ModelConfig(name=args.model))
     doc_kv = None
     if args.doc_kv:
-        from ..attention.prefix import load_doc_kv
+        from ..attention.doc_kv import load_doc_kv
 
         from ..targets.store import open_targets
         from ..stages.train import targets_zarr_url

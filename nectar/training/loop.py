@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..attention.run import query_logits
+from ..attention.forward import query_logits
 from ..modules.builder import NectarModule
 from ..modules.provider import ModuleDocState
 from ..schemas.artifacts import TrainLogRow

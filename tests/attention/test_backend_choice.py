@@ -3,8 +3,8 @@ model, and on CUDA the fused path keeps float32 queries in float32 (GPU figures 
 import pytest
 import torch
 
-from nectar.attention import prefix
-from nectar.attention.prefix import _fused_state, choose_backend
+from nectar.attention import kernels
+from nectar.attention.kernels import choose_backend, fused_state
 from nectar.attention.state import attention_state
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
@@ -17,7 +17,7 @@ CUDA, CPU = torch.device("cuda"), torch.device("cpu")
     (torch.bfloat16, False, "fused"),
 ])
 def test_auto_picks_flash_only_for_half_precision_models(monkeypatch, dtype, flash_installed, expected):
-    monkeypatch.setattr(prefix, "flash_available", lambda device: flash_installed and device.type == "cuda")
+    monkeypatch.setattr(kernels, "flash_available", lambda device: flash_installed and device.type == "cuda")
     assert choose_backend("auto", CUDA, dtype) == expected
     assert choose_backend("auto", CPU, dtype) == "fused"
 
@@ -37,7 +37,7 @@ def test_fused_state_keeps_float32_on_cuda():
     g = torch.Generator(device="cpu").manual_seed(0)
     q, k, v = (torch.randn(1, 2, 64, 32, generator=g).cuda() for _ in range(3))
     for causal in (False, True):
-        got = _fused_state(q, k, v, 32 ** -0.5, causal=causal)
+        got = fused_state(q, k, v, 32 ** -0.5, causal=causal)
         ref = attention_state(q, k, v, 32 ** -0.5, causal_offset=0 if causal else None)
         # bf16 rounding would show as ~1e-2 differences; the float32 path agrees to float tolerance
         assert torch.allclose(got.out, ref.out, atol=1e-5) and torch.allclose(got.lse, ref.lse, atol=1e-5)

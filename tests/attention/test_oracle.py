@@ -3,8 +3,10 @@ reproduce the ordinary full forward (document + pair in one pass)."""
 import pytest
 import torch
 
-from nectar.attention.prefix import ExactDocState, load_doc_kv, prefill_document, save_doc_kv, DocKVMismatch
-from nectar.attention.run import generate, query_logits
+from nectar.attention.doc_kv import DocKVMismatch, load_doc_kv, prefill_document, save_doc_kv
+from nectar.attention.exact import ExactDocState
+from nectar.attention.engine import generate
+from nectar.attention.forward import query_logits
 from nectar.layout import build_layout
 
 

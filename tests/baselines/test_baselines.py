@@ -9,7 +9,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent.parent / "training"))
 from targets_fixture import DOC, make_targets  # noqa: E402
 
-from nectar.attention.prefix import ExactDocState  # noqa: E402
+from nectar.attention.exact import ExactDocState  # noqa: E402
 from nectar.baselines import (BASELINES, baseline_plan, fit_baseline, module_nbytes,  # noqa: E402
                               training_queries)
 from nectar.baselines.attention_matching import fit_log_mass  # noqa: E402

@@ -1,7 +1,8 @@
 """Generations: the full-context answers equal ordinary generation over document + prompt."""
 import torch
 
-from nectar.attention.prefix import ExactDocState, prefill_document
+from nectar.attention.doc_kv import prefill_document
+from nectar.attention.exact import ExactDocState
 from nectar.evaluation.generations import GenItem, generate_answers, generation_rows, max_new_tokens
 from nectar.layout import build_layout
 from nectar.schemas import EvaluateConfig

@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 import torch
 
-from nectar.attention.prefix import ExactDocState, prefill_document
+from nectar.attention.doc_kv import prefill_document
+from nectar.attention.exact import ExactDocState
 from nectar.attention.state import AttnState
 from nectar.evaluation.teacher import EvalPair, head_errors, teacher_forced_sums
 from nectar.layout import build_layout

@@ -44,3 +44,8 @@ def test_salvage_complete_items_of_truncated_list():
             '{"instruction": "q3", "resp')
     items = find_all_json(text, lambda v: isinstance(v, dict) and "instruction" in v)
     assert items == [{"instruction": "q1", "response": "a1"}, {"instruction": "q2", "response": "a2"}]
+
+
+def test_raw_control_character_inside_a_string_is_kept():
+    # xgrammar's JSON grammar lets a byte-level token such as \x17 into a string
+    assert find_json('{"reasoning": "a\x17b", "ok": true}') == {"reasoning": "a\x17b", "ok": True}

@@ -37,8 +37,7 @@ def test_first_logits_with_prefix_reuse_match_full_forward(name):
         prefix = be._shared_prefix(prompts)
         assert (prefix is not None) == reuse and (not reuse or prefix.length > 150)
         p = prefix.length if prefix else 0
-        with be._prefix_attention(prefix):
-            _, _, logits = be._start_batch([x[p:] for x in prompts], prefix, reqs)  # [b, V]
+        logits = be.engine(prefix).prefill_logits([x[p:] for x in prompts])  # [b, V]
         with torch.inference_mode():
             for row, ids in zip(logits, prompts):
                 full = tiny.model(torch.tensor([ids])).logits[0, -1]
@@ -99,7 +98,8 @@ def test_schema_constrained_output_always_validates(tiny):
         assert r.error is None and r.finish_reason == "stop", r
         jsonschema.validate(r.parsed, CONSISTENCY_SCHEMA)
         assert list(r.parsed) == ["is_consistent", "confidence", "reasoning"]  # schema order kept
-        assert json.loads(r.text) == r.parsed
+        # strict=False: xgrammar's JSON grammar admits raw control bytes (e.g. \x17) inside strings
+        assert json.loads(r.text, strict=False) == r.parsed
 
 
 def test_unconstrained_schema_request_is_parsed_tolerantly_or_none(tiny):

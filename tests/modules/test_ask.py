@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from nectar.ask import answer, ask
-from nectar.attention.prefix import ExactDocState, prefill_document
-from nectar.attention.run import generate
+from nectar.attention.doc_kv import prefill_document
+from nectar.attention.exact import ExactDocState
+from nectar.attention.engine import generate
 from nectar.layout import build_layout
 from nectar.modules import ModuleMismatch, build_module, make_spec, plan_module, save_module
 from nectar.modules.provider import ModuleDocState

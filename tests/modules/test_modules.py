@@ -4,8 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nectar.attention.prefix import ExactDocState, prefill_document
-from nectar.attention.run import query_logits
+from nectar.attention.doc_kv import prefill_document
+from nectar.attention.exact import ExactDocState
+from nectar.attention.forward import query_logits
 from nectar.attention.state import attention_state
 from nectar.layout import build_layout
 from nectar.modules import ModuleMismatch, build_module, load_module, make_spec, plan_module, save_module

@@ -2,7 +2,7 @@
 the report, with a module that genuinely differs from the full-context model."""
 import pytest
 
-from nectar.attention.prefix import prefill_document
+from nectar.attention.doc_kv import prefill_document
 from nectar.schemas.artifacts import BenchmarkRow, PerLayerRow
 from nectar.layout import build_layout
 from nectar.modules import load_module

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from nectar.attention.interface import _packed_local_state
-from nectar.attention.prefix import ExactDocState, prefill_document
+from nectar.attention.doc_kv import prefill_document
+from nectar.attention.exact import ExactDocState
 from nectar.layout import build_layout
 from nectar.targets.capture import capture_packed, pack
 

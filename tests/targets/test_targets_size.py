@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from nectar.attention.prefix import prefill_document
+from nectar.attention.doc_kv import prefill_document
 from nectar.layout import build_layout
 from nectar.schemas import DatasetRow, TargetsConfig
 from nectar.stages import targets as targets_stage

@@ -2,7 +2,7 @@
 document with hand-written QA pairs (train and test split)."""
 import hashlib
 
-from nectar.attention.prefix import prefill_document
+from nectar.attention.doc_kv import prefill_document
 from nectar.layout import build_layout
 from nectar.schemas.artifacts import DatasetRow
 from nectar.schemas.config import TargetsConfig

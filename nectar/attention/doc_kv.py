@@ -1,0 +1,91 @@
+"""The document's KV cache: computed once per (model, document), persisted, reused everywhere.
+
+``prefill_document`` runs the document through the model once (DESIGN.md §3: never per pair);
+``save_doc_kv`` / ``load_doc_kv`` persist it with the model and document it belongs to. The exact
+document state over it is ``nectar.attention.exact.ExactDocState``.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import fsspec
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from ..integrity import stable_safetensors
+from ..models import BaseModel
+from ..storage import atomic_write
+
+
+class DocKVMismatch(ValueError):
+    """A cached document KV was made for another model or document."""
+
+
+@dataclass
+class DocKV:
+    keys: list[torch.Tensor]  # per layer [hkv, n, d] (rotated keys, as the model caches them)
+    values: list[torch.Tensor]  # per layer [hkv, n, d]
+
+    @property
+    def n(self) -> int:
+        return self.keys[0].shape[1]
+
+    def nbytes(self) -> int:
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size()
+                   for k, v in zip(self.keys, self.values))
+
+
+@torch.no_grad()
+def prefill_document(base: BaseModel, context_ids, chunk_tokens: int = 2048, start: DocKV | None = None) -> DocKV:
+    """The KV cache of ``context_ids``: one forward over the document, in chunks of ``chunk_tokens``
+    (bounds activation memory). ``start``: the KV of a prefix of ``context_ids`` already computed
+    (a shorter cached prefix): only the tokens after it are run."""
+    from transformers import DynamicCache
+
+    ids = torch.as_tensor(list(context_ids), dtype=torch.long, device=base.device).unsqueeze(0)  # [1, n]
+    done = 0
+    if start is not None:
+        data = [(k.unsqueeze(0), v.unsqueeze(0)) for k, v in zip(start.keys, start.values)]  # [1, hkv, P, d]
+        cache, done = DynamicCache(ddp_cache_data=data, config=base.model.config), start.n
+    else:
+        cache = DynamicCache(config=base.model.config)
+    for s in range(done, ids.shape[1], chunk_tokens):
+        # logits_to_keep=1: the LM head over every document token would be thrown away.
+        base.model(input_ids=ids[:, s:s + chunk_tokens], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    keys = [layer.keys[0].contiguous() for layer in cache.layers]  # [hkv, n, d]
+    values = [layer.values[0].contiguous() for layer in cache.layers]
+    return DocKV(keys, values)
+
+
+def save_doc_kv(doc_kv: DocKV, url: str, meta: dict[str, str]) -> None:
+    tensors = {f"k.{i}": k.cpu() for i, k in enumerate(doc_kv.keys)}
+    tensors.update({f"v.{i}": v.cpu() for i, v in enumerate(doc_kv.values)})
+    blob = st_save(tensors, metadata={k: str(v) for k, v in meta.items()})
+    atomic_write(url, stable_safetensors(blob))  # same KV, same bytes: its digest feeds cache keys
+
+
+def read_doc_kv_meta(url: str) -> dict[str, str]:
+    fs, path = fsspec.core.url_to_fs(url)
+    with fs.open(path, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        return json.loads(f.read(header_len)).get("__metadata__", {})
+
+
+def load_doc_kv(url: str, base: BaseModel, expect: dict[str, str]) -> DocKV:
+    """Load a cached document KV, refusing one made for another model or document."""
+    meta = read_doc_kv_meta(url)
+    for key, want in expect.items():
+        if meta.get(key) != str(want):
+            raise DocKVMismatch(
+                f"{url}: cached document KV has {key}={meta.get(key)!r}, this run needs {want!r}; "
+                "re-run the targets stage (--from targets) to rebuild it"
+            )
+    fs, path = fsspec.core.url_to_fs(url)
+    with fs.open(path, "rb") as f:
+        tensors = st_load(f.read())
+    n_layers = len([k for k in tensors if k.startswith("k.")])
+    keys = [tensors[f"k.{i}"].to(base.device, base.dtype) for i in range(n_layers)]
+    values = [tensors[f"v.{i}"].to(base.device, base.dtype) for i in range(n_layers)]
+    return DocKV(keys, values)
