@@ -1,11 +1,15 @@
-"""The evaluate stage (DESIGN.md §5, paper §4.2–4.3, App. C, F, G). Pure Python, no Prefect.
+"""The evaluate stage (DESIGN.md §5, §11; paper §4.2–4.3, App. C, F, G). Pure Python, no Prefect.
 
-On the held-out pairs of each split (``test``: a seeded sample of the test pairs; ``challenge``:
-the test pairs least similar to any training instruction, App. E), it writes
+On the held-out pairs of each split (``test``; ``challenge``: the test pairs least similar to any
+training instruction, App. E; and every further held-out split the targets hold, e.g. ``probes``),
+it writes
 
-  metrics.parquet      MetricsRow: token accuracy, cross-entropy, KL to full — module / full / none
+  metrics.parquet      MetricsRow: token accuracy, cross-entropy, KL to full, KL recovered and greedy
+                       agreement with the full model — module / full / none — over EVERY pair of the
+                       split, each with a 95 % paired bootstrap interval over pairs
   per_layer.parquet    PerLayerRow: score/target MSE and relative transport error per layer × head
-  generations.parquet  GenerationRow: module and full-context answers side by side
+  generations.parquet  GenerationRow: module and full-context answers side by side (a seeded sample
+                       of up to ``max_samples`` pairs per split)
   judgments.parquet    JudgmentRow: three judge comparisons per sample (parse failures kept)
   benchmark.parquet    BenchmarkRow: TTFT, tok/s, peak memory — module vs full KV, cold and cached
   report.md, report.html, figures/*.png
@@ -27,9 +31,11 @@ from ..evaluation.generations import GenItem, generate_answers, generation_rows
 from ..evaluation.judge import ChatFn, JudgeItem, judge
 from ..evaluation.report import ReportInputs, write_report
 from ..schemas.artifacts import BenchmarkRow, PerLayerRow
-from ..evaluation.teacher import EvalPair, head_errors, teacher_forced_sums
+from ..evaluation.agreement import agreement_scores, greedy_continuations, sentence_embedder
+from ..evaluation.quality import SystemQuality, split_quality
+from ..evaluation.teacher import EvalPair, PairSums, head_errors, teacher_forced_pair_sums
 from ..layout import PromptLayout
-from ..models import BaseModel
+from ..models import BaseModel, embedder_path
 from ..modules.builder import ModulePlan, NectarModule
 from ..modules.provider import ModuleDocState
 from ..schemas.artifacts import (ChunkRow, DatasetRow, GenerationRow, JudgmentRow, MetricsRow,
@@ -47,27 +53,61 @@ class EvaluateInputError(ValueError):
 
 @dataclass
 class Selection:
-    """The evaluated pairs: one EvalPair per pair (with every split it belongs to)."""
+    """The evaluated pairs: one EvalPair per pair (with every split it belongs to).
+
+    ``per_split`` holds every pair of a split (teacher-forced metrics are cheap: all of them count);
+    ``judged`` the seeded sample of up to ``max_samples`` per split that is generated with sampling
+    and judged; ``agreement`` the seeded sample of up to ``agreement_max_samples`` per split whose
+    greedy continuations are compared with the full-context model's.
+    """
 
     pairs: list[EvalPair]
     rows: dict[str, TargetsPairRow]
     per_split: dict[str, list[str]] = field(default_factory=dict)  # split → pair ids
+    judged: dict[str, list[str]] = field(default_factory=dict)
+    agreement: dict[str, list[str]] = field(default_factory=dict)
 
 
-def select_pairs(target_rows: Sequence[TargetsPairRow], token_ids: np.ndarray, cfg: EvaluateConfig) -> Selection:
-    """Seeded sample of up to ``max_samples`` pairs per split, from the pairs the targets cached."""
-    pools = {
+def split_pools(target_rows: Sequence[TargetsPairRow]) -> dict[str, list[TargetsPairRow]]:
+    """Held-out pools: ``test``, ``challenge`` (the test pairs least like training, App. E) and every
+    other non-train split the targets hold (e.g. ``probes``: held-out document probes)."""
+    pools: dict[str, list[TargetsPairRow]] = {
         "test": [r for r in target_rows if r.split == "test"],
         "challenge": [r for r in target_rows if r.split == "test" and r.challenge],
     }
-    rng = random.Random(cfg.seed)
+    for split in sorted({r.split for r in target_rows} - {"train", "test"}):
+        pools[split] = [r for r in target_rows if r.split == split]
+    return pools
+
+
+def evaluated_splits(target_rows: Sequence[TargetsPairRow], cfg: EvaluateConfig) -> list[str]:
+    """The configured splits, then any further held-out split the targets hold (e.g. ``probes``)."""
+    extra = [s for s in split_pools(target_rows) if s not in ("test", "challenge") and s not in cfg.splits]
+    return [*cfg.splits, *extra]
+
+
+def _sample(pool: list[TargetsPairRow], k: int, seed: int) -> list[str]:
+    pool = sorted(pool, key=lambda r: r.pair_id)
+    picked = pool if len(pool) <= k else random.Random(seed).sample(pool, k)
+    return sorted(r.pair_id for r in picked)
+
+
+def select_pairs(target_rows: Sequence[TargetsPairRow], token_ids: np.ndarray, cfg: EvaluateConfig,
+                 splits: Sequence[str] | None = None) -> Selection:
+    """Every pair with response tokens of each split, and the seeded judged / agreement samples."""
+    pools = split_pools(target_rows)
+    splits = list(cfg.splits if splits is None else splits)
+    scorable = {r.pair_id for r in target_rows if r.response_start < r.length}  # a truncated pair may have none
     per_split: dict[str, list[str]] = {}
-    for split in cfg.splits:
+    judged: dict[str, list[str]] = {}
+    agreement: dict[str, list[str]] = {}
+    for split in splits:
         if split not in pools:
             raise EvaluateInputError(f"evaluate.splits has {split!r}; the splits are {sorted(pools)}")
-        pool = sorted(pools[split], key=lambda r: r.pair_id)
-        picked = pool if len(pool) <= cfg.max_samples else rng.sample(pool, cfg.max_samples)
-        per_split[split] = sorted(r.pair_id for r in picked)
+        pool = [r for r in pools[split] if r.pair_id in scorable]
+        per_split[split] = sorted(r.pair_id for r in pool)
+        judged[split] = _sample(pool, cfg.max_samples, cfg.seed) if split in cfg.splits else []
+        agreement[split] = _sample(pool, cfg.agreement_max_samples, cfg.seed)
     rows = {r.pair_id: r for r in target_rows}
     members: dict[str, list[str]] = {}
     for split, ids in per_split.items():
@@ -77,17 +117,57 @@ def select_pairs(target_rows: Sequence[TargetsPairRow], token_ids: np.ndarray, c
     for pid in sorted(members):
         r = rows[pid]
         ids = token_ids[r.start: r.start + r.length]
-        if r.response_start >= r.length:  # truncated before any response token: nothing to score
-            continue
         pairs.append(EvalPair(pid, r.task, tuple(members[pid]), tuple(int(t) for t in ids),
                               r.response_start, r.start))
-    return Selection(pairs, rows, per_split)
+    return Selection(pairs, rows, per_split, judged, agreement)
 
 
-def _metrics_rows(sums) -> list[MetricsRow]:
-    return [MetricsRow(split=split, model=model, token_acc=s.token_acc, cross_entropy=s.cross_entropy,
-                       kl_to_full=s.kl_to_full, n_tokens=s.n)
-            for split, by_model in sorted(sums.items()) for model, s in by_model.items()]
+def split_index(sel: Selection) -> dict[str, np.ndarray]:
+    """split → positions in ``sel.pairs`` of the split's pairs."""
+    pos = {p.pair_id: i for i, p in enumerate(sel.pairs)}
+    return {split: np.array([pos[pid] for pid in ids], dtype=np.int64) for split, ids in sel.per_split.items()}
+
+
+def quality_by_split(sel: Selection, sums: dict[str, PairSums], continuations: dict[str, dict[str, list[int]]],
+                     decode, embed, cfg: EvaluateConfig) -> dict[str, dict[str, SystemQuality]]:
+    """{split: {system: SystemQuality}} from per-pair sums over ``sel.pairs`` and the greedy
+    continuations ({system: {pair_id: tokens}}, the full model's under "full")."""
+    out = {}
+    for split, idx in split_index(sel).items():
+        if not len(idx):
+            continue
+        agree = None
+        ids = sel.agreement.get(split, [])
+        if ids and continuations:
+            ref = [continuations["full"][pid] for pid in ids]
+            agree = {name: agreement_scores(decode, ref, [c[pid] for pid in ids], embed)
+                     for name, c in continuations.items()}
+        out[split] = split_quality({name: s.take(idx) for name, s in sums.items()}, agree, split,
+                                   cfg.bootstrap_resamples, cfg.seed)
+    return out
+
+
+def agreement_continuations(base, layout_n: int, providers: dict, sel: Selection, cfg: EvaluateConfig,
+                            batch_size: int, progress=None) -> dict[str, dict[str, list[int]]]:
+    """Greedy continuations of every pair in an agreement sample (each pair once, whatever its
+    splits), for every provider; the prompt is the pair's query up to its response."""
+    wanted = sorted({pid for ids in sel.agreement.values() for pid in ids})
+    if not wanted:
+        return {}
+    by_id = {p.pair_id: p for p in sel.pairs}
+    prompts = [by_id[pid].ids[: by_id[pid].response_start] for pid in wanted]
+    cont = greedy_continuations(base, layout_n, providers, prompts, cfg.agreement_new_tokens, batch_size, progress)
+    return {name: dict(zip(wanted, toks)) for name, toks in cont.items()}
+
+
+def _metrics_rows(quality: dict[str, dict[str, SystemQuality]]) -> list[MetricsRow]:
+    rows = []
+    for split, by_model in sorted(quality.items()):
+        for model in ("module", "full", "none"):
+            q = by_model[model]
+            cols = q.columns()
+            rows.append(MetricsRow(split=split, model=model, **{k: v for k, v in cols.items() if k in MetricsRow.model_fields}))
+    return rows
 
 
 def _per_layer_rows(g, header, provider, sel: Selection, device) -> list[PerLayerRow]:
@@ -162,9 +242,10 @@ def evaluate(
         raise EvaluateInputError(f"the module was trained for n={module_spec.n_context} document tokens, "
                                  f"this document has {layout.n}; re-run from the train stage")
     target_rows = read_table(f"{targets_url}/pairs.parquet", TargetsPairRow)
-    sel = select_pairs(target_rows, g["token_ids"][:], cfg)
+    splits = evaluated_splits(target_rows, cfg)
+    sel = select_pairs(target_rows, g["token_ids"][:], cfg, splits)
     if not sel.pairs:
-        raise EvaluateInputError(f"no held-out pairs with response tokens for splits {cfg.splits}; "
+        raise EvaluateInputError(f"no held-out pairs with response tokens for splits {splits}; "
                                  "check the verify stage's test split")
     notes: list[str] = []
     empty = [s for s, ids in sel.per_split.items() if not ids]
@@ -173,18 +254,28 @@ def evaluate(
 
     module_p, full_p = ModuleDocState(module), ExactDocState(doc_kv)
     providers = {"module": module_p, "full": full_p, "none": None}
-    sums = teacher_forced_sums(base, providers, sel.pairs, layout.n, batch_size,
-                               lambda d, t: step("teacher_forced", d, t))
-    metrics = _metrics_rows(sums)
+    sums = teacher_forced_pair_sums(base, providers, sel.pairs, layout.n, batch_size,
+                                    lambda d, t: step("teacher_forced", d, t))
+    continuations = agreement_continuations(base, layout.n, providers, sel, cfg, gen_batch_size,
+                                            lambda d, t: step("agreement", d, t))
+    embed = sentence_embedder(embedder_path(cfg.embedder)) if continuations else None
+    decode = lambda ids: base.tokenizer.decode(ids, skip_special_tokens=True).strip()  # noqa: E731
+    quality = quality_by_split(sel, sums, continuations, decode, embed, cfg)
+    metrics = _metrics_rows(quality)
     per_layer = _per_layer_rows(g, header, module_p, sel, base.device)
 
     by_id = {r.pair_id: r for r in dataset}
-    missing = [p.pair_id for p in sel.pairs if p.pair_id not in by_id]
-    if missing:
+    judged = {pid for ids in sel.judged.values() for pid in ids}
+    missing = [pid for pid in sorted(judged) if pid not in by_id]
+    if any(sel.rows[pid].split == "test" for pid in missing):
         raise EvaluateInputError(f"targets list pairs the dataset lacks (e.g. {missing[:3]}); "
                                  "re-run from the targets stage")
-    items = [GenItem(p.pair_id, p.task, p.splits, by_id[p.pair_id].instruction, by_id[p.pair_id].response)
-             for p in sel.pairs]
+    if missing:
+        notes.append(f"{len(missing)} pairs of the splits {sorted({sel.rows[p].split for p in missing})} have no "
+                     "instruction in the dataset; they are scored teacher-forced and by agreement, not judged")
+    items = [GenItem(p.pair_id, p.task, tuple(s for s in p.splits if p.pair_id in sel.judged.get(s, ())),
+                     by_id[p.pair_id].instruction, by_id[p.pair_id].response)
+             for p in sel.pairs if p.pair_id in judged and p.pair_id in by_id]
     answers = generate_answers(base, layout, {"module": module_p, "full": full_p}, items, cfg,
                                gen_batch_size, lambda d, t: step("generate", d, t))
     generations = generation_rows(items, answers)
@@ -249,4 +340,6 @@ def _counts(sel: Selection, metrics, judgments, bench, generations) -> dict[str,
     counts["empty_full_answers"] = sum(not g.full_output for g in generations)
     for m in metrics:
         counts[f"token_acc_{m.split}_{m.model}"] = round(m.token_acc, 4)
+        if m.model == "module" and m.recovered_kl is not None:
+            counts[f"recovered_kl_{m.split}_module"] = round(m.recovered_kl, 4)
     return counts
