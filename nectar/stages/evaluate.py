@@ -19,8 +19,6 @@ stage; the no-document model has no provider; the module-plugged model uses the 
 """
 from __future__ import annotations
 
-import random
-from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -31,11 +29,12 @@ from ..evaluation.generations import GenItem, generate_answers, generation_rows
 from ..evaluation.judge import ChatFn, JudgeItem, judge
 from ..evaluation.report import ReportInputs, write_report
 from ..schemas.artifacts import BenchmarkRow, PerLayerRow
-from ..evaluation.agreement import agreement_scores, greedy_continuations, sentence_embedder
-from ..evaluation.quality import SystemQuality, split_quality
-from ..evaluation.teacher import EvalPair, PairSums, head_errors, teacher_forced_pair_sums
+from ..evaluation.quality import SystemQuality
+from ..evaluation.scoring import score_providers
+from ..evaluation.selection import EvaluateInputError, Selection, evaluated_splits, select_pairs
+from ..evaluation.teacher import head_errors
 from ..layout import PromptLayout
-from ..models import BaseModel, embedder_path
+from ..models import BaseModel
 from ..modules.builder import ModulePlan, NectarModule
 from ..modules.provider import ModuleDocState
 from ..schemas.artifacts import (ChunkRow, DatasetRow, GenerationRow, JudgmentRow, MetricsRow,
@@ -46,118 +45,7 @@ from ..targets.store import open_targets
 
 Progress = Callable[[str, int, int], None]  # (step, done, total)
 
-
-class EvaluateInputError(ValueError):
-    pass
-
-
-@dataclass
-class Selection:
-    """The evaluated pairs: one EvalPair per pair (with every split it belongs to).
-
-    ``per_split`` holds every pair of a split (teacher-forced metrics are cheap: all of them count);
-    ``judged`` the seeded sample of up to ``max_samples`` per split that is generated with sampling
-    and judged; ``agreement`` the seeded sample of up to ``agreement_max_samples`` per split whose
-    greedy continuations are compared with the full-context model's.
-    """
-
-    pairs: list[EvalPair]
-    rows: dict[str, TargetsPairRow]
-    per_split: dict[str, list[str]] = field(default_factory=dict)  # split → pair ids
-    judged: dict[str, list[str]] = field(default_factory=dict)
-    agreement: dict[str, list[str]] = field(default_factory=dict)
-
-
-def split_pools(target_rows: Sequence[TargetsPairRow]) -> dict[str, list[TargetsPairRow]]:
-    """Held-out pools: ``test``, ``challenge`` (the test pairs least like training, App. E) and every
-    other non-train split the targets hold (e.g. ``probes``: held-out document probes)."""
-    pools: dict[str, list[TargetsPairRow]] = {
-        "test": [r for r in target_rows if r.split == "test"],
-        "challenge": [r for r in target_rows if r.split == "test" and r.challenge],
-    }
-    for split in sorted({r.split for r in target_rows} - {"train", "test"}):
-        pools[split] = [r for r in target_rows if r.split == split]
-    return pools
-
-
-def evaluated_splits(target_rows: Sequence[TargetsPairRow], cfg: EvaluateConfig) -> list[str]:
-    """The configured splits, then any further held-out split the targets hold (e.g. ``probes``)."""
-    extra = [s for s in split_pools(target_rows) if s not in ("test", "challenge") and s not in cfg.splits]
-    return [*cfg.splits, *extra]
-
-
-def _sample(pool: list[TargetsPairRow], k: int, seed: int) -> list[str]:
-    pool = sorted(pool, key=lambda r: r.pair_id)
-    picked = pool if len(pool) <= k else random.Random(seed).sample(pool, k)
-    return sorted(r.pair_id for r in picked)
-
-
-def select_pairs(target_rows: Sequence[TargetsPairRow], token_ids: np.ndarray, cfg: EvaluateConfig,
-                 splits: Sequence[str] | None = None) -> Selection:
-    """Every pair with response tokens of each split, and the seeded judged / agreement samples."""
-    pools = split_pools(target_rows)
-    splits = list(cfg.splits if splits is None else splits)
-    scorable = {r.pair_id for r in target_rows if r.response_start < r.length}  # a truncated pair may have none
-    per_split: dict[str, list[str]] = {}
-    judged: dict[str, list[str]] = {}
-    agreement: dict[str, list[str]] = {}
-    for split in splits:
-        if split not in pools:
-            raise EvaluateInputError(f"evaluate.splits has {split!r}; the splits are {sorted(pools)}")
-        pool = [r for r in pools[split] if r.pair_id in scorable]
-        per_split[split] = sorted(r.pair_id for r in pool)
-        judged[split] = _sample(pool, cfg.max_samples, cfg.seed) if split in cfg.splits else []
-        agreement[split] = _sample(pool, cfg.agreement_max_samples, cfg.seed)
-    rows = {r.pair_id: r for r in target_rows}
-    members: dict[str, list[str]] = {}
-    for split, ids in per_split.items():
-        for pid in ids:
-            members.setdefault(pid, []).append(split)
-    pairs = []
-    for pid in sorted(members):
-        r = rows[pid]
-        ids = token_ids[r.start: r.start + r.length]
-        pairs.append(EvalPair(pid, r.task, tuple(members[pid]), tuple(int(t) for t in ids),
-                              r.response_start, r.start))
-    return Selection(pairs, rows, per_split, judged, agreement)
-
-
-def split_index(sel: Selection) -> dict[str, np.ndarray]:
-    """split → positions in ``sel.pairs`` of the split's pairs."""
-    pos = {p.pair_id: i for i, p in enumerate(sel.pairs)}
-    return {split: np.array([pos[pid] for pid in ids], dtype=np.int64) for split, ids in sel.per_split.items()}
-
-
-def quality_by_split(sel: Selection, sums: dict[str, PairSums], continuations: dict[str, dict[str, list[int]]],
-                     decode, embed, cfg: EvaluateConfig) -> dict[str, dict[str, SystemQuality]]:
-    """{split: {system: SystemQuality}} from per-pair sums over ``sel.pairs`` and the greedy
-    continuations ({system: {pair_id: tokens}}, the full model's under "full")."""
-    out = {}
-    for split, idx in split_index(sel).items():
-        if not len(idx):
-            continue
-        agree = None
-        ids = sel.agreement.get(split, [])
-        if ids and continuations:
-            ref = [continuations["full"][pid] for pid in ids]
-            agree = {name: agreement_scores(decode, ref, [c[pid] for pid in ids], embed)
-                     for name, c in continuations.items()}
-        out[split] = split_quality({name: s.take(idx) for name, s in sums.items()}, agree, split,
-                                   cfg.bootstrap_resamples, cfg.seed)
-    return out
-
-
-def agreement_continuations(base, layout_n: int, providers: dict, sel: Selection, cfg: EvaluateConfig,
-                            batch_size: int, progress=None) -> dict[str, dict[str, list[int]]]:
-    """Greedy continuations of every pair in an agreement sample (each pair once, whatever its
-    splits), for every provider; the prompt is the pair's query up to its response."""
-    wanted = sorted({pid for ids in sel.agreement.values() for pid in ids})
-    if not wanted:
-        return {}
-    by_id = {p.pair_id: p for p in sel.pairs}
-    prompts = [by_id[pid].ids[: by_id[pid].response_start] for pid in wanted]
-    cont = greedy_continuations(base, layout_n, providers, prompts, cfg.agreement_new_tokens, batch_size, progress)
-    return {name: dict(zip(wanted, toks)) for name, toks in cont.items()}
+__all__ = ["EvaluateInputError", "evaluate", "select_pairs", "evaluated_splits", "constant_judge_score"]
 
 
 def _metrics_rows(quality: dict[str, dict[str, SystemQuality]]) -> list[MetricsRow]:
@@ -254,13 +142,7 @@ def evaluate(
 
     module_p, full_p = ModuleDocState(module), ExactDocState(doc_kv)
     providers = {"module": module_p, "full": full_p, "none": None}
-    sums = teacher_forced_pair_sums(base, providers, sel.pairs, layout.n, batch_size,
-                                    lambda d, t: step("teacher_forced", d, t))
-    continuations = agreement_continuations(base, layout.n, providers, sel, cfg, gen_batch_size,
-                                            lambda d, t: step("agreement", d, t))
-    embed = sentence_embedder(embedder_path(cfg.embedder)) if continuations else None
-    decode = lambda ids: base.tokenizer.decode(ids, skip_special_tokens=True).strip()  # noqa: E731
-    quality = quality_by_split(sel, sums, continuations, decode, embed, cfg)
+    _, quality = score_providers(base, layout.n, providers, sel, cfg, batch_size, gen_batch_size, step)
     metrics = _metrics_rows(quality)
     per_layer = _per_layer_rows(g, header, module_p, sel, base.device)
 

@@ -29,6 +29,7 @@ def test_a_system_equal_to_full_agrees_exactly(tiny_llama, setup):
     assert list(same.exact) == [1.0] * 3 and list(same.rouge_l) == [1.0] * 3 and np.isnan(same.cosine).all()
 
 
+@pytest.mark.slow  # loads all-MiniLM-L6-v2
 def test_scores_by_hand_with_the_real_embedder(tiny_llama):
     tok = tiny_llama.tokenizer
     decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
