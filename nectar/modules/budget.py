@@ -143,11 +143,13 @@ def mlp_layer_shapes(budget: int, head_dim: int, depths: tuple[int, int, int], s
     return shapes
 
 
-def quadrature_pairs(budget: int, head_dim: int, n_context: int, layer: int) -> int:
-    """p = P / (2d) pairs (W, Z) per head, at least 1 and at most n (they start as document rows)."""
-    p = budget // (2 * head_dim)
+def quadrature_pairs(budget: int, head_dim: int, n_context: int, layer: int, bias: bool = False) -> int:
+    """p = P / (2d) pairs (W, Z) per head, or P / (2d + 1) with a log-mass bias β per pair; at least
+    1 and at most n (they start as document rows)."""
+    per_pair = 2 * head_dim + (1 if bias else 0)
+    p = budget // per_pair
     if p < 1:
-        raise BudgetError(f"layer {layer}: a quadrature head needs at least {2 * head_dim} parameters "
+        raise BudgetError(f"layer {layer}: a quadrature head needs at least {per_pair} parameters "
                           f"(one (W, Z) pair) but the budget is {budget}; raise train.module.rho")
     if p > n_context:
         raise BudgetError(f"layer {layer}: budget gives p={p} quadrature pairs, more than the "

@@ -39,6 +39,7 @@ class ModulePlan:
     normalize_targets: bool = True
     mlp_widths: tuple[tuple[int, int, int], ...] = ()  # per layer (w_b, w_s, w_t)
     quad_pairs: tuple[int, ...] = ()  # per layer p
+    quad_bias: bool = False  # quadrature: a log-mass bias β per pair (p = P / (2d + 1))
 
     def mlp_shapes(self, layer: int) -> MLPLayerShapes:
         d, (d_b, d_s, d_t) = self.head_dim, self.depths
@@ -52,7 +53,7 @@ class ModulePlan:
     def head_params(self, layer: int) -> int:
         """Exact parameter count of one (layer, KV head)."""
         if self.arch == "quadrature":
-            return 2 * self.quad_pairs[layer] * self.head_dim
+            return self.quad_pairs[layer] * (2 * self.head_dim + (1 if self.quad_bias else 0))
         return self.mlp_shapes(layer).n_params()
 
     def to_dict(self) -> dict[str, Any]:
@@ -79,6 +80,7 @@ def plan_module(
     residual: bool = False,
     layer_norm: bool = False,
     normalize_targets: bool = True,
+    quad_bias: bool = False,
 ) -> ModulePlan:
     rhos = layer_rhos(num_layers, rho, tuple(layer_multipliers))
     budgets = tuple(head_budget(r, n_context, head_dim) for r in rhos)
@@ -87,8 +89,8 @@ def plan_module(
                   budgets=budgets, depths=tuple(depths), residual=residual, layer_norm=layer_norm,
                   score_fraction=score_fraction, normalize_targets=normalize_targets)
     if arch == "quadrature":
-        pairs = tuple(quadrature_pairs(b, head_dim, n_context, i) for i, b in enumerate(budgets))
-        return ModulePlan(**common, quad_pairs=pairs)
+        pairs = tuple(quadrature_pairs(b, head_dim, n_context, i, quad_bias) for i, b in enumerate(budgets))
+        return ModulePlan(**common, quad_pairs=pairs, quad_bias=quad_bias)
     if arch != "mlp":
         raise ValueError(f"unknown module arch {arch!r}; use 'mlp' or 'quadrature'")
     widths = []
@@ -159,7 +161,7 @@ def build_module(plan: ModulePlan, doc_keys: list[torch.Tensor] | None = None,
             k = doc_keys[i].cpu() if doc_keys is not None else None
             v = doc_values[i].cpu() if doc_values is not None else None
             layers.append(LayerQuadrature(plan.num_kv_heads, plan.quad_pairs[i], plan.head_dim,
-                                          plan.scaling, k, v, gen))
+                                          plan.scaling, k, v, gen, bias=plan.quad_bias))
         else:
             layers.append(LayerMLP(plan.num_kv_heads, plan.mlp_shapes(i), plan.residual, gen))
     return NectarModule(layers, plan.num_kv_heads, plan.head_dim, plan.scaling,
@@ -171,4 +173,4 @@ def plan_from_config(cfg: ModuleConfig, num_layers: int, num_kv_heads: int, head
     """Unpack a ModuleConfig into ``plan_module``'s flat arguments."""
     return plan_module(cfg.arch, num_layers, num_kv_heads, head_dim, n_context, scaling, cfg.rho,
                        tuple(cfg.layer_multipliers), cfg.score_fraction, tuple(cfg.depths),
-                       cfg.residual, cfg.layer_norm, cfg.normalize_targets)
+                       cfg.residual, cfg.layer_norm, cfg.normalize_targets, cfg.bias)

@@ -98,20 +98,32 @@ def _train_log(ctx: RunContext) -> list:
 
 def run_targets(ctx: RunContext, force: bool = False) -> StageOutcome:
     from ..layout import build_layout, check_fits
+    from ..schemas.artifacts import ProbeRow
+    from ..stages.probes import make_probes, probe_dataset_rows
     from ..stages.targets import build_targets
+    from ..tables import write_table
 
     inputs = _upstream_outputs(ctx, "targets")
 
     def body(url: str):
         base = load_base(ctx.config)
         layout = build_layout(base.tokenizer, ctx.text)
-        check_fits(layout, ctx.config.targets.max_query_tokens, base.max_context_tokens)
+        cfg = ctx.config.targets
+        check_fits(layout, cfg.max_query_tokens, base.max_context_tokens)
         rows = read_table(ctx.run.url("verify", "dataset.parquet"), DatasetRow)
+        # Document probes join the verified pairs: held-out ones as split "probes", train ones
+        # (when targets.probes.train) as extra training queries. Every probe is listed in probes.parquet.
+        probes = make_probes(ctx.text, cfg.probes) if (cfg.probes.held_out or cfg.probes.train) else []
+        write_table(f"{url}/probes.parquet", probes, ProbeRow)
+        rows = rows + [r for r in probe_dataset_rows(probes, cfg.probes.train)
+                       if cfg.probes.held_out or r.split == "train"]
         doc_kv = _document_kv(ctx, base, layout, f"{url}/doc_kv.safetensors")
-        counts = build_targets(base, layout, doc_kv, rows, ctx.config.targets, url, ctx.info.sha256,
+        counts = build_targets(base, layout, doc_kv, rows, cfg, url, ctx.info.sha256,
                                backend=ctx.config.model.attention_backend, progress=ctx.progress("targets"))
         counts["doc_kv_bytes"] = doc_kv.nbytes()
-        return ["targets.zarr", "pairs.parquet", "doc_kv.safetensors"], counts
+        counts["probes_held_out"] = sum(p.split == "probes" for p in probes)
+        counts["probes_train"] = sum(p.split == "train" for p in probes) if cfg.probes.train else 0
+        return ["targets.zarr", "pairs.parquet", "probes.parquet", "doc_kv.safetensors"], counts
 
     return run_stage(ctx.run, "targets", _stage_config(ctx, "targets"), inputs, body, force)
 

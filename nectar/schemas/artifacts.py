@@ -10,10 +10,10 @@ from typing import Any, Literal
 from pydantic import Field
 
 from .base import Artifact
-from .config import TaskType
+from .config import ProbeKind, TaskType
 
 __all__ = [
-    "DocumentInfo", "ChunkRow", "PairRow", "DatasetRow", "Verdict", "Split",
+    "DocumentInfo", "ChunkRow", "PairRow", "DatasetRow", "ProbeRow", "Verdict", "Split",
     "StageManifest", "RunManifest", "TargetsHeader", "TargetsPairRow", "ModuleSpec",
     "TrainLogRow", "MetricsRow", "GenerationRow", "JudgmentRow", "PerLayerRow", "BenchmarkRow", "BenchSystem",
     "ComparisonRow",
@@ -57,9 +57,10 @@ class PairRow(Artifact):
 
 Verdict = Literal[
     "consistent", "inconsistent", "insufficient_context", "low_confidence",
-    "judge_parse_error", "duplicate", "synthesis_parse_error",
+    "judge_parse_error", "duplicate", "synthesis_parse_error", "probe",
 ]
-Split = Literal["train", "test", "dropped"]
+# "probes": held-out document probes (never trained on); train probes are split "train".
+Split = Literal["train", "test", "probes", "dropped"]
 
 
 class DatasetRow(Artifact):
@@ -82,6 +83,23 @@ class DatasetRow(Artifact):
     split: Split
     challenge: bool = False
     max_train_similarity: float | None = None
+
+
+# pair_split codes in the targets group (one int8 per pair).
+SPLIT_CODES: dict[str, int] = {"train": 0, "test": 1, "probes": 2}
+
+
+class ProbeRow(Artifact):
+    """A document probe (nectar/stages/probes.py): instruction and verbatim response from the text."""
+
+    schema_version: int = 1
+    probe_id: str
+    kind: ProbeKind
+    instruction: str
+    response: str
+    first_unit: int  # the document units (sentences, headings, items) it reads and writes
+    last_unit: int
+    split: Literal["train", "probes"]
 
 
 class StageManifest(Artifact):
@@ -120,7 +138,7 @@ class TargetsHeader(Artifact):
         topk_scope "kl_positions" only where token t+1 is a response token — the positions the
         KL loss reads — and zeros elsewhere)
       token_ids [T] int32, positions [T] int32 (n … n+m-1), response_mask [T] bool
-      pair_offsets [P+1] int64, pair_split [P] int8 (0 = train, 1 = test)
+      pair_offsets [P+1] int64, pair_split [P] int8 (SPLIT_CODES: 0 = train, 1 = test, 2 = probes)
     Pair p's tokens are rows pair_offsets[p]:pair_offsets[p+1]; targets/pairs.parquet lists them.
     """
 
@@ -148,7 +166,7 @@ class TargetsPairRow(Artifact):
     index: int
     pair_id: str
     task: TaskType
-    split: Literal["train", "test"]
+    split: Literal["train", "test", "probes"]
     challenge: bool
     start: int
     length: int

@@ -18,7 +18,7 @@ import torch
 from ..attention.prefix import DocKV, ExactDocState
 from ..layout import PromptLayout
 from ..models import BaseModel
-from ..schemas.artifacts import DatasetRow, TargetsHeader, TargetsPairRow
+from ..schemas.artifacts import SPLIT_CODES, DatasetRow, TargetsHeader, TargetsPairRow
 from ..schemas.config import TargetsConfig
 from ..tables import write_table
 from ..targets.capture import capture_packed
@@ -86,7 +86,7 @@ def build_targets(
                 progress(done, len(planned))
         writer.flush()
     g["pair_offsets"][:] = offsets
-    g["pair_split"][:] = np.array([0 if p.row.split == "train" else 1 for p in planned], dtype=np.int8)
+    g["pair_split"][:] = np.array([SPLIT_CODES[p.row.split] for p in planned], dtype=np.int8)
     g.attrs["nectar_targets"] = header.model_copy(update={"complete": True}).model_dump(mode="json")
     write_table(f"{out_url}/pairs.parquet", [p.row for p in planned], TargetsPairRow)
     return {"pairs": len(planned), "tokens": header.n_tokens, "truncated": sum(p.row.truncated for p in planned),

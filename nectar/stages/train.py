@@ -77,6 +77,10 @@ def fit(targets_url: str, cfg: TrainConfig, base: BaseModel, doc_kv, out_url: st
     keys = doc_kv.keys if doc_kv is not None and plan.arch == "quadrature" else None
     values = doc_kv.values if keys is not None else None
     module = build_module(plan, keys, values, seed=cfg.seed)
+    if plan.arch == "quadrature" and cfg.module.init != "first":
+        from ..baselines import init_quadrature, training_queries
+
+        init_quadrature(module, plan, cfg.module.init, doc_kv, training_queries(data, cfg.seed))
     if plan.normalize_targets:
         module.set_normalization(target_statistics(data, h.num_kv_heads, seed=cfg.seed))
     module = module.to(base.device)

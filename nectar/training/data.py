@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..schemas.artifacts import TargetsHeader
+from ..schemas.artifacts import SPLIT_CODES, TargetsHeader
 from ..tables import ArtifactError
 from ..targets.store import open_targets
 
@@ -83,7 +83,9 @@ class TargetsData:
 
     # ---- splits -------------------------------------------------------------------------------
     def pairs(self, split: str) -> np.ndarray:
-        code = {"train": 0, "test": 1}[split]
+        if split not in SPLIT_CODES:
+            raise ValueError(f"unknown split {split!r}; the targets' splits are {sorted(SPLIT_CODES)}")
+        code = SPLIT_CODES[split]
         return np.flatnonzero(self.pair_split == code)
 
     def tokens(self, split: str) -> np.ndarray:

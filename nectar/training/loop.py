@@ -75,11 +75,13 @@ class TrainResult:
 class Objective(nn.Module):
     """Loss of one micro-batch. The module is its only submodule, so DDP syncs only NECTAR weights."""
 
-    def __init__(self, module: NectarModule, base, n_context: int):
+    def __init__(self, module: NectarModule, base, n_context: int, per_element: tuple[float, float] = (1.0, 1.0)):
         super().__init__()
         self.module = module
         self._base = (base,)  # a tuple hides the frozen base model from nn.Module / DDP
         self.n_context = n_context
+        # Elements per token of the α and A sums (L·Hq and L·Hq·d) under regression_scale="mean", else 1.
+        self.per_alpha, self.per_A = per_element
 
     def forward(self, batch: TokenBatch | PairBatch, w: LossWeights, denom_tokens: float,
                 denom_kl: float, scale: float) -> tuple[torch.Tensor, dict[str, float]]:
@@ -88,9 +90,9 @@ class Objective(nn.Module):
         reg = regression_sums(self.module, t.q.to(device), t.alpha.to(device), t.A.to(device))
         loss = reg.A.new_zeros(())
         if w.alpha:
-            loss = loss + w.alpha * reg.alpha / denom_tokens
+            loss = loss + w.alpha * reg.alpha / (denom_tokens * self.per_alpha)
         if w.A:
-            loss = loss + w.A * reg.A / denom_tokens
+            loss = loss + w.A * reg.A / (denom_tokens * self.per_A)
         stats = {"alpha": reg.alpha.item(), "A": reg.A.item(), "rte_alpha": reg.rte_alpha.item(),
                  "rte_A": reg.rte_A.item(), "n_terms": reg.n_terms, "tokens": t.n_tokens}
         if isinstance(batch, PairBatch) and w.kl:
@@ -130,8 +132,11 @@ class Trainer:
         self.module, self.data, self.base, self.cfg = module, data, base, cfg
         self.info = info or dist_info()
         self.ckpt_url, self.fingerprint, self.micro_tokens = ckpt_url, fingerprint, micro_tokens
-        # The quadrature score is closed-form from W (paper §3.3): λα is forced to 0.
-        self.w = LossWeights(0.0 if arch == "quadrature" else cfg.lambda_alpha, cfg.lambda_A, cfg.lambda_kl)
+        # The quadrature score is closed-form from W (paper §3.3): λα is forced to 0. With a log-mass
+        # bias β it is not: A is invariant to a common shift of β, so only Lα (or KL) pins a(q).
+        has_bias = getattr(module.layers[0], "beta", None) is not None
+        closed_form_score = arch == "quadrature" and not has_bias
+        self.w = LossWeights(0.0 if closed_form_score else cfg.lambda_alpha, cfg.lambda_A, cfg.lambda_kl)
         if not (self.w.alpha or self.w.A or self.w.kl):
             raise ValueError("all loss weights are zero (lambda_alpha, lambda_A, lambda_kl): nothing to train")
         self.pair_mode = self.w.kl > 0
@@ -141,7 +146,10 @@ class Trainer:
                              f"data-parallel processes ({self.info.world_size})")
         self.schedule = derive_schedule(cfg.samples, cfg.batch_size, cfg.ref_batch_size, cfg.peak_lr,
                                         len(self.items))
-        self.objective = Objective(module, base, data.header.n_context)
+        h = data.header
+        per_element = ((h.num_layers * h.num_q_heads, h.num_layers * h.num_q_heads * h.head_dim)
+                       if cfg.regression_scale == "mean" else (1.0, 1.0))
+        self.objective = Objective(module, base, h.n_context, per_element)
         self.optimizer = torch.optim.AdamW(module.parameters(), lr=self.schedule.peak_lr,
                                            weight_decay=cfg.weight_decay)
         self.lr_sched = torch.optim.lr_scheduler.LambdaLR(self.optimizer, LRFactor(self.schedule))
@@ -219,7 +227,10 @@ class Trainer:
     # ---- logging ----------------------------------------------------------------------------
     def _row(self, split: str, stats: dict[str, float], grad_norm: float | None) -> dict[str, Any]:
         tokens, positions = max(stats.get("tokens", 0), 1), stats.get("positions", 0)
-        la, lA = stats.get("alpha", 0) / tokens, stats.get("A", 0) / tokens
+        # in the loss's own units (per element under regression_scale="mean"), so the logged terms
+        # are the magnitudes the λ weights multiply
+        la = stats.get("alpha", 0) / tokens / self.objective.per_alpha
+        lA = stats.get("A", 0) / tokens / self.objective.per_A
         lkl = stats.get("kl", 0) / positions if positions else 0.0
         n_terms = max(stats.get("n_terms", 0), 1)
         row = TrainLogRow(

@@ -89,3 +89,29 @@ def test_sweep_variants_share_the_parent_data_stages(tiny_ctx):
     assert sweep.variant_context(tiny_ctx, variants[1]).run.root != tiny_ctx.run.root
     assert [v.name for v in sweep.with_base(tiny_ctx.config, variants)] == [v.name for v in variants]
     assert [v.name for v in sweep.with_base(tiny_ctx.config, variants[1:])] == ["base", variants[1].name]
+
+
+@pytest.mark.slow
+def test_targets_cache_held_out_probes_and_train_probes_only_when_asked(tiny_ctx):
+    from nectar.schemas.artifacts import ProbeRow, TargetsPairRow
+    from nectar.tables import read_table
+    from nectar.training.data import TargetsData
+
+    out = orchestration.run_targets(tiny_ctx)
+    assert out.manifest.counts["probes_held_out"] > 0 and out.manifest.counts["probes_train"] == 0
+    probes = read_table(tiny_ctx.run.url("targets", "probes.parquet"), ProbeRow)
+    pairs = read_table(tiny_ctx.run.url("targets", "pairs.parquet"), TargetsPairRow)
+    held = {p.probe_id for p in probes if p.split == "probes"}
+    assert {p.pair_id for p in pairs if p.split == "probes"} == held
+    assert not any(p.pair_id.startswith("probe-") and p.split == "train" for p in pairs)
+    data = TargetsData(tiny_ctx.run.url("targets", "targets.zarr"))
+    assert len(data.pairs("probes")) == len(held)
+    train_tokens = len(data.tokens("train"))
+    # train probes join the training queries; held-out probes stay the same and never train
+    ctx = orchestration.RunContext(tiny_ctx.run, load_config("tiny", overrides=["targets.probes.train=true"]),
+                                   tiny_ctx.text, tiny_ctx.info, tiny_ctx.progress)
+    assert orchestration.run_targets(ctx).status == "done"
+    data = TargetsData(tiny_ctx.run.url("targets", "targets.zarr"))
+    assert len(data.tokens("train")) > train_tokens and len(data.pairs("probes")) == len(held)
+    rows = read_table(tiny_ctx.run.url("targets", "pairs.parquet"), TargetsPairRow)
+    assert {p.pair_id for p in rows if p.split == "probes"} == held

@@ -115,3 +115,24 @@ def test_diverging_run_stops_with_a_clear_error_and_keeps_its_last_good_checkpoi
     assert ckpt["state"]["step"] == 6 and ckpt["state"]["skipped"] == 1
     assert all(torch.isfinite(t).all() for t in ckpt["module"].values())
     assert not (tmp_path / "out" / "module.safetensors").exists()
+
+
+def test_regression_scale_changes_the_loss_units_not_where_training_goes(tiny_llama, tiny_targets, tmp_path):
+    """"mean" divides LA by L·Hq·d: a constant, so the optimum is the same point and Adam (invariant to
+    a constant loss scale up to its eps; clipping off) takes the same path; only the logged units change."""
+    from nectar.stages.train import targets_zarr_url
+
+    targets, _, kv, _ = tiny_targets
+    held = {}
+    for scale in ("sum", "mean"):
+        cfg = _cfg(lambda_alpha=0.0, lambda_A=1.0, grad_clip=1e9, regression_scale=scale)
+        train(targets, cfg, tiny_llama, kv, str(tmp_path / scale))
+        held[scale] = [r.loss_A for r in _log(tmp_path / scale) if r.split == "heldout"]
+    h = TargetsData(targets_zarr_url(targets)).header
+    elems = h.num_layers * h.num_q_heads * h.head_dim
+    assert held["sum"][0] == pytest.approx(held["mean"][0] * elems, rel=1e-5)  # same untrained module
+    # the same trajectory: every held-out point agrees in the same units (Adam's eps: well under 1 %)
+    assert [x / elems for x in held["sum"]] == pytest.approx(held["mean"], rel=1e-2)
+    assert held["mean"][-1] < 0.9 * held["mean"][0]  # and it did train
+    # per element, an untrained module (it predicts the targets' mean) sits near 1, KL's scale
+    assert 0.2 < held["mean"][0] < 5
