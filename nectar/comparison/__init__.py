@@ -5,5 +5,5 @@ run.py      plan → train what is missing → fit baselines → score with pair
 table.py    the markdown table
 """
 from .run import (CompareInputError, CompareResult, compare, open_for_compare, parse_rhos, plan_jobs,  # noqa: F401
-                  score_and_write, train_missing, validate)
+                  refresh_targets, score_and_write, train_missing, validate)
 from .systems import SYSTEMS, System, register, resolve, trained_config  # noqa: F401

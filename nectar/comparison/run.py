@@ -1,5 +1,6 @@
 """``nectar compare RUN_DIR``: every system at equal bytes, scored on the run's held-out pairs.
 
+  0. data   the run's targets stage through the stage cache: a hit, or redone if stale
   1. plan   one job per (system, ρ); a trained job resolves to a run directory holding its train
             stage: the run itself when the settings are the run's, a variant that already trained
             the same settings (``nectar sweep``, an earlier compare), or a new variant directory
@@ -81,6 +82,20 @@ def check_ready(ctx: RunContext) -> None:
         raise CompareInputError(
             f"{ctx.run.root} has no completed targets stage; compare reuses the run's data stages (chunk → targets): "
             f"run `nectar run {ctx.info.source_uri} --run-dir {ctx.run.root}` first")
+
+
+def refresh_targets(ctx: RunContext, stage_runner: Callable[[RunContext, str], Any] | None = None) -> None:
+    """Pass the targets stage (what compare reads) through the stage cache: a hit when it is current
+    with the run's configuration and the code, redone when they changed since (e.g. probe settings),
+    so nothing is trained or scored on stale targets. Stages before it are the run's business."""
+    if ctx.parent is not None:
+        return  # a variant's data stages are its parent's
+    if stage_runner is not None:
+        stage_runner(ctx, "targets")
+    else:
+        from ..orchestration.stages import run_targets
+
+        run_targets(ctx, False)
 
 
 def open_for_compare(run_dir: str, progress: ProgressFactory | None = None) -> RunContext:
@@ -205,7 +220,8 @@ def obtain(job: Job, ctx: RunContext, base, doc_kv, dims: dict[str, Any]) -> Obt
     t0 = time.perf_counter()
     provider = fit_baseline(s.baseline, doc_kv, ctx.stage_run("targets").url("targets"),
                             baseline_plan(ctx, job.rho, dims), seed=ctx.config.train.seed)
-    return Obtained(provider, int(provider.nbytes), time.perf_counter() - t0, s.baseline, f"fit_baseline({s.baseline!r})")
+    seconds = time.perf_counter() - t0
+    return Obtained(provider, int(provider.nbytes), seconds, s.baseline, f"fit_baseline({s.baseline!r})")
 
 
 @dataclass
@@ -299,6 +315,7 @@ def compare(ctx: RunContext, systems: list[str] | None = None, rhos: list[float]
     from ..orchestration.stages import run_train
 
     check_ready(ctx)
+    refresh_targets(ctx)
     jobs = plan_jobs(ctx, systems, rhos)
     t0 = time.perf_counter()
     train_missing(jobs, train_stage or run_train, progress("compare:train") if progress else None)

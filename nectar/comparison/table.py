@@ -55,7 +55,8 @@ def split_table(rows: Sequence[dict[str, Any]], kv_bytes: int | None) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in sorted(rows, key=sort_key):
         cells = (r["system"], r["kind"], "–" if r.get("rho") is None else f"{r['rho']:g}",
-                 _bytes(r["state_bytes"], kv_bytes), _ci(r, "kl_to_full", "kl"), _pct(r, "recovered_kl", "recovered_kl"),
+                 _bytes(r["state_bytes"], kv_bytes), _ci(r, "kl_to_full", "kl"),
+                 _pct(r, "recovered_kl", "recovered_kl"),
                  _pct(r, "token_acc", "token_acc"), _ci(r, "cross_entropy", "cross_entropy"),
                  _ci(r, "agreement_rouge_l", "agreement_rouge_l"),
                  "–" if r.get("agreement_exact") is None else f"{100 * r['agreement_exact']:.0f} %",

@@ -220,7 +220,8 @@ def headline_lines(tables: dict[str, list[dict[str, Any]]]) -> list[tuple[str, s
             lo, hi = h["recovered_kl_ci"]
             out.append((f"{s}: share of the no-document KL recovered, 1 − KL_module/KL_none (95% CI over "
                         f"{h['n_pairs']} pairs, {h['n_tokens']} tokens)",
-                        f"{100 * h['recovered_kl']:.1f} %" + ("" if lo is None else f" [{100 * lo:.1f}, {100 * hi:.1f}]")))
+                        f"{100 * h['recovered_kl']:.1f} %"
+                        + ("" if lo is None else f" [{100 * lo:.1f}, {100 * hi:.1f}]")))
             lo, hi = h["kl_module_ci"]
             out.append((f"{s}: KL(full ‖ module) / KL(full ‖ none), nats per token",
                         f"{fmt_interval(h['kl_module'], lo, hi)} / {fmt(h['kl_none'])}"))

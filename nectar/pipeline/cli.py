@@ -223,7 +223,8 @@ def _print_comparison(run) -> None:
         info = json.load(f)
     splits = ", ".join(f"{s} {n} pairs" for s, n in info.get("splits", {}).items())
     Console().print(f"comparison: {run.url('compare', 'comparison.md')} ({len(info.get('systems', []))} systems, "
-                    f"ρ {', '.join(f'{r:g}' for r in info.get('rhos', []))}; {splits}; {info.get('created_at', '')})")
+                    f"ρ {', '.join(f'{r:g}' for r in info.get('rhos', []))}; {splits}; {info.get('created_at', '')})",
+                    soft_wrap=True)
 
 
 # ----- operations against a Prefect server: deploy / schedule / trigger / rerun / retry (deploy.py) -----

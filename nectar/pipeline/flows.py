@@ -194,8 +194,10 @@ def nectar_compare(run_dir: str, rhos: list[float] | None = None, systems: list[
 
     ctx = comparison.open_for_compare(run_dir)
     ctx.progress = _prefect_progress(ctx.doc_id)
-    jobs = comparison.plan_jobs(ctx, systems, rhos)
     with tags("nectar", f"doc:{ctx.doc_id}", "compare"):
+        comparison.refresh_targets(ctx, lambda c, stage: nectar_stage.with_options(
+            flow_run_name=f"{ctx.doc_id}-{stage}")(run_dir=c.run.root, stage=stage, force=False))
+        jobs = comparison.plan_jobs(ctx, systems, rhos)
         t0 = time.perf_counter()
 
         def train_stage(vctx: orchestration.RunContext) -> Any:

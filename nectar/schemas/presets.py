@@ -106,8 +106,6 @@ REGIMES: dict[str, dict[str, Any]] = {
 # (about 16 epochs of the demo's train split) at the same peak learning rate as regression, and
 # for cartridges the larger rate its document-initialised keys and values need.
 PRESET_REGIMES: dict[str, dict[str, dict[str, Any]]] = {
-    # tiny is for tests: a few distillation steps (pairs through the whole model) keep each regime seconds.
-    "tiny": {regime: {"train": {"samples": 48, "batch_size": 8}} for regime in ("mixed", "distill", "cartridges")},
     "cpu": {
         "mixed": {"train": {"samples": 240, "batch_size": 4, "peak_lr": 4e-4}},
         "distill": {"train": {"samples": 240, "batch_size": 4, "peak_lr": 4e-4}},

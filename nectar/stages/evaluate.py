@@ -52,9 +52,9 @@ def _metrics_rows(quality: dict[str, dict[str, SystemQuality]]) -> list[MetricsR
     rows = []
     for split, by_model in sorted(quality.items()):
         for model in ("module", "full", "none"):
-            q = by_model[model]
-            cols = q.columns()
-            rows.append(MetricsRow(split=split, model=model, **{k: v for k, v in cols.items() if k in MetricsRow.model_fields}))
+            cols = by_model[model].columns()
+            rows.append(MetricsRow(split=split, model=model,
+                                   **{k: v for k, v in cols.items() if k in MetricsRow.model_fields}))
     return rows
 
 

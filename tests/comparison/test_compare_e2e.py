@@ -11,6 +11,7 @@ from nectar import comparison, orchestration
 from nectar.comparison.systems import SYSTEMS, System, baselines_available
 from nectar.runs import run_stage
 from nectar.schemas import ComparisonRow, DatasetRow, load_config
+from nectar.schemas.presets import PRESET_REGIMES
 from nectar.tables import read_table, write_table
 
 QA = [("Who bought the island?", "Captain Ilse Brandt bought Varn Island."),
@@ -44,6 +45,11 @@ def _write_verified(ctx):
 def tiny_run(tmp_path_factory):
     from sample_document import DOC
 
+    # A few distillation steps per KL regime (pairs through the whole model) keep each training seconds;
+    # the tiny preset's own 800-pair budget is minutes per regime on two cores.
+    mp = pytest.MonkeyPatch()
+    mp.setitem(PRESET_REGIMES, "tiny", {r: {"train": {"samples": 48, "batch_size": 8}}
+                                        for r in ("mixed", "distill", "cartridges")})
     root = tmp_path_factory.mktemp("cmp")
     (root / "doc.txt").write_text(DOC)
     config = load_config("tiny", overrides=["evaluate.bootstrap_resamples=300", "evaluate.agreement_new_tokens=6"])
@@ -51,7 +57,8 @@ def tiny_run(tmp_path_factory):
     orchestration.run_chunk(ctx)
     _write_verified(ctx)
     orchestration.run_targets(ctx)
-    return ctx
+    yield ctx
+    mp.undo()
 
 
 @pytest.fixture
@@ -73,17 +80,19 @@ def test_compare_writes_every_system_and_split_and_reuses_training(tiny_run, ext
     rows = read_table(ctx.run.url("compare", "comparison.parquet"), ComparisonRow)
     assert rows == res.rows
     rhos = [ctx.config.train.module.rho, 0.1]
+    splits = ("test", "challenge", "probes")  # probes: the held-out document probes the targets cached
     keys = {(r.system, r.rho, r.split) for r in rows}
-    want = {(s, None, sp) for s in ("none", "full") for sp in ("test", "challenge")}
-    want |= {(s, rho, sp) for s in systems[2:] for rho in rhos for sp in ("test", "challenge")}
+    want = {(s, None, sp) for s in ("none", "full") for sp in splits}
+    want |= {(s, rho, sp) for s in systems[2:] for rho in rhos for sp in splits}
     assert keys == want and len(rows) == len(want)
     by = {(r.system, r.rho, r.split): r for r in rows}
-    for split in ("test", "challenge"):
+    for split in splits:
         none, full = by[("none", None, split)], by[("full", None, split)]
         assert none.recovered_kl == 0.0 and full.recovered_kl == 1.0 and full.kl_to_full == 0.0
         assert (full.recovered_kl_ci_low, full.recovered_kl_ci_high) == (1.0, 1.0)
         assert full.agreement_exact == 1.0 and full.state_bytes > 0 and none.state_bytes == 0
     assert by[("none", None, "test")].n_pairs == 4 and by[("none", None, "challenge")].n_pairs == 2
+    assert by[("none", None, "probes")].n_pairs >= 2
     for r in rows:
         for metric, prefix in (("kl_to_full", "kl"), ("recovered_kl", "recovered_kl"), ("token_acc", "token_acc"),
                                ("cross_entropy", "cross_entropy"), ("agreement_rouge_l", "agreement_rouge_l")):
@@ -118,13 +127,15 @@ def test_cli_compare_through_prefect_with_progress_and_status(tiny_run, tmp_path
     run_dir = tiny_run.run.root
     bad = subprocess.run([*cli, "compare", run_dir, "--rho", "0,5"], capture_output=True, text=True, env=env)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--rho 0:" in bad.stderr
-    res = subprocess.run([*cli, "compare", run_dir, "--systems", "none,full,distill"], capture_output=True,
-                         text=True, env=env, timeout=600)
+    # the run's own regime at its own ρ (its train stage) and a closed-form baseline
+    res = subprocess.run([*cli, "compare", run_dir, "--systems", "none,full,regression,truncate"],
+                         capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "compare:teacher_forced" in res.stderr and "compare:agreement" in res.stderr  # progress bars
-    assert "| distill | trained |" in res.stdout and res.stdout.strip().endswith("compare/comparison.md")
+    assert "| regression | trained |" in res.stdout and "| truncate | baseline |" in res.stdout
+    assert res.stdout.strip().endswith("compare/comparison.md")
     status = subprocess.run([*cli, "status", run_dir], capture_output=True, text=True, env=env)
-    assert "comparison: " in status.stdout and "3 systems" in status.stdout
+    assert "comparison: " in status.stdout and "4 systems" in status.stdout
 
 
 def test_bad_inputs_are_one_line_errors(tiny_run, tmp_path):
