@@ -12,6 +12,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
 
 from ..schemas.artifacts import TrainLogRow  # noqa: E402
 from ..schemas.artifacts import BenchmarkRow, PerLayerRow  # noqa: E402
@@ -117,6 +118,13 @@ def benchmark_curves(rows: Sequence[BenchmarkRow]) -> bytes | None:
     return _png(fig)
 
 
+def _human_bytes(v: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if v >= scale:
+            return f"{v / scale:g} {unit}"
+    return f"{v:g} B"
+
+
 def frontier(rows: Sequence[dict]) -> bytes | None:
     """The quality/memory frontier: KL recovered (95 % CI) against the bytes standing in for the
     document, one line per system over its budgets ρ, one panel per split. ``rows`` are comparison
@@ -149,6 +157,9 @@ def frontier(rows: Sequence[dict]) -> bytes | None:
             ax.axhline(100, color="black", lw=1, ls=":")
             ax.plot([full[0]["state_bytes"]], [100], "*", color="black", ms=12, label="full KV cache")
         ax.set_xscale("log")
+        ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: _human_bytes(v)))
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("bytes standing in for the document")
         ax.set_ylabel("KL recovered, % (95% CI over pairs)")
         n = sel[0].get("n_pairs") if sel else None
