@@ -39,6 +39,11 @@ ProgressFactory = Callable[[str], Callable[[int, int], None]]
 TrainStage = Callable[[RunContext], Any]  # runs (or finds cached) the train stage of a run context
 
 
+# Pairs per teacher-forced forward and prompts per greedy batch: a decode step on CPU reads every weight
+# once whatever the batch, so wider batches cut the agreement pass (a dozen systems × every prompt).
+SCORE_BATCH, GEN_BATCH = 8, 16
+
+
 class CompareInputError(ValueError):
     """A run directory, budget or system that ``nectar compare`` can't work with (one line)."""
 
@@ -264,7 +269,7 @@ def score_and_write(ctx: RunContext, jobs: list[Job], progress: ProgressFactory 
             bars[name] = bar(f"compare:{name}")
         bars[name](done, total)
 
-    _, quality = score_providers(base, layout.n, providers, sel, cfg, step=step, timings=timings)
+    _, quality = score_providers(base, layout.n, providers, sel, cfg, SCORE_BATCH, GEN_BATCH, step, timings)
     rows = comparison_rows(jobs, obtained, quality)
     timings["total_s"] = sum(v for k, v in timings.items() if k != "total_s")
     facts = {"run": ctx.run.root, "document": ctx.info.source_uri, "model": base.name, "n": layout.n,
