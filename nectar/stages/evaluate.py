@@ -45,7 +45,7 @@ from ..targets.store import open_targets
 
 Progress = Callable[[str, int, int], None]  # (step, done, total)
 
-__all__ = ["EvaluateInputError", "evaluate", "select_pairs", "evaluated_splits", "constant_judge_score"]
+__all__ = ["EvaluateInputError", "constant_judge_score", "evaluate", "evaluated_splits", "select_pairs"]
 
 
 def _metrics_rows(quality: dict[str, dict[str, SystemQuality]]) -> list[MetricsRow]:
