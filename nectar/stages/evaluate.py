@@ -112,7 +112,7 @@ def evaluate(
     title: str = "NECTAR evaluation",
     facts: dict[str, Any] | None = None,
     batch_size: int = 4,
-    gen_batch_size: int = 8,
+    gen_batch_size: int = 16,
     progress: Progress | None = None,
 ) -> dict[str, Any]:
     """Run every evaluation step and write the tables and the report into ``out_url``.
