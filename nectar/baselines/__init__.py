@@ -35,7 +35,7 @@ from .selection import KeyScore, attention_probs, key_scores, top_keys
 
 BaselineName = Literal["truncate", "evict", "attention_matching"]
 BASELINES: tuple[str, ...] = ("truncate", "evict", "attention_matching")
-MAX_FIT_TOKENS = 8192  # training query tokens used for selection and fitting (seeded sample above)
+MAX_FIT_TOKENS = 2048  # training query tokens for selection and fitting (seeded sample above; 1k-4k: same fit)
 
 
 @dataclass
@@ -78,12 +78,12 @@ def baseline_plan(name: str, plan: ModulePlan) -> ModulePlan:
 
 
 def fit_baseline(name: str, doc_kv, targets_url: str, plan: ModulePlan, seed: int = 0,
-                 score: KeyScore = "mean") -> FittedBaseline:
+                 score: KeyScore = "mean", max_tokens: int | None = None) -> FittedBaseline:
     """Fit baseline ``name`` on the document KV and the targets' training queries (seconds)."""
     qplan = baseline_plan(name, plan)
     module = build_module(qplan)
     init = {"truncate": "first", "evict": "evict", "attention_matching": "attention_matching"}[name]
-    data = None if init == "first" else training_queries(targets_url, seed)
+    data = None if init == "first" else training_queries(targets_url, seed, max_tokens or MAX_FIT_TOKENS)
     init_quadrature(module, qplan, init, doc_kv, data, score)
     return FittedBaseline(name, module.eval(), qplan)
 
@@ -97,7 +97,7 @@ class QueryTargets:
     A: torch.Tensor
 
 
-def training_queries(targets, seed: int = 0, max_tokens: int = MAX_FIT_TOKENS) -> QueryTargets:
+def training_queries(targets, seed: int = 0, max_tokens: int | None = None) -> QueryTargets:
     """The train split's (q, α, A) rows from the targets (a URL or an open ``TargetsData``; a seeded
     sample of at most ``max_tokens``)."""
     from ..stages.train import targets_zarr_url
@@ -107,6 +107,7 @@ def training_queries(targets, seed: int = 0, max_tokens: int = MAX_FIT_TOKENS) -
     tokens = data.tokens("train")
     if len(tokens) == 0:
         raise ValueError(f"{data.url}: the targets have no training queries to select or fit keys with")
+    max_tokens = max_tokens or MAX_FIT_TOKENS
     if len(tokens) > max_tokens:
         tokens = np.sort(np.random.default_rng(seed).choice(tokens, max_tokens, replace=False))
     rows = data.rows(tokens)

@@ -27,12 +27,17 @@ def fit_log_mass(mass: torch.Tensor) -> torch.Tensor:
     A small ridge towards w = 1 (β = 0) picks, among weightings that fit equally well (queries of a
     head are often nearly collinear), the one closest to the plain kept keys — so keeping every key
     gives back exactly the document's state."""
-    M = mass.double().cpu().numpy()  # [N, p]
+    M = mass.double()  # [N, p]
     p = M.shape[1]
-    mu = np.sqrt(RIDGE * max(float((M * M).sum(0).mean()), 1e-12))
-    A = np.vstack([M, mu * np.eye(p)])  # [N + p, p]
-    b = np.concatenate([np.ones(M.shape[0]), mu * np.ones(p)])
-    w, _ = nnls(A, b, maxiter=50 * p)
+    gram = M.T @ M  # [p, p]: the fit only needs MᵀM and Mᵀ1, so N (thousands of queries) drops out
+    mu2 = RIDGE * max(float(gram.diagonal().mean()), 1e-12)
+    G = gram + mu2 * torch.eye(p, dtype=M.dtype)
+    rhs = M.sum(0) + mu2  # Mᵀ1 + μ²·1
+    # ‖Mw − 1‖² + μ²‖w − 1‖² = wᵀGw − 2 rhsᵀw + const = ‖Lᵀw − L⁻¹rhs‖² + const, with G = LLᵀ:
+    # the same NNLS on a p × p system.
+    L = torch.linalg.cholesky(G)
+    b = torch.linalg.solve_triangular(L, rhs.unsqueeze(1), upper=False).squeeze(1)
+    w, _ = nnls(L.T.cpu().numpy(), b.cpu().numpy(), maxiter=50 * p)
     return torch.from_numpy(np.log(np.maximum(w, MIN_MASS)))  # [p] float64
 
 

@@ -17,8 +17,8 @@ KeyScore = Literal["mean", "max"]
 
 def attention_probs(q: torch.Tensor, alpha: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
     """q [N, d], alpha [N], keys [n, d] → each query's attention over the document keys [N, n] (rows sum to 1)."""
-    logits = (q.double() @ keys.double().T) * scaling  # [N, n]
-    return torch.exp(logits - alpha.double().unsqueeze(1))  # [N, n]
+    logits = (q.float() @ keys.float().T) * scaling  # [N, n]
+    return torch.exp(logits - alpha.float().unsqueeze(1))  # [N, n] float32: ranks and fits need no more
 
 
 def key_scores(probs: torch.Tensor, how: KeyScore = "mean") -> torch.Tensor:

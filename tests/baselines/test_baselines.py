@@ -75,7 +75,7 @@ def test_fitted_masses_match_the_captured_log_sum_exp_better_than_plain_eviction
     probs = attention_probs(q, data.alpha[:, 0, 0].float(), kv.keys[0][0].float(), base.scaling)
     mass = probs[:, : layout.n // 4]  # keep a quarter of the keys
     beta = fit_log_mass(mass)
-    fitted_err = (mass @ beta.exp() - 1).pow(2).sum()
+    fitted_err = (mass.double() @ beta.exp() - 1).pow(2).sum()
     plain_err = (mass.sum(1) - 1).pow(2).sum()  # β = 0: the kept keys' mass alone
     assert fitted_err < plain_err  # NNLS optimum <= any feasible point, here strictly
     assert bool((beta.exp() >= 0).all())
