@@ -110,6 +110,14 @@ def embedder_path(name: str = EMBEDDED_EMBEDDER) -> str:
     return name
 
 
+@functools.lru_cache(maxsize=4)
+def load_embedder(path: str):
+    """The sentence-transformers model at ``path`` (see ``embedder_path``), loaded once, on CPU."""
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(path, device="cpu")
+
+
 def _tiny(kind: str, rope: dict | None = None) -> tuple[torch.nn.Module, object]:
     from transformers import (AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM,
                               Qwen3Config, Qwen3ForCausalLM)

@@ -122,7 +122,7 @@ def comparison_row(variant: Variant, run: RunDir) -> dict[str, Any]:
 
 
 SPLIT_KEYS = ("token_acc_module", "token_acc_full", "token_acc_none", "token_acc_gap", "recovered_fraction",
-              "delta_s", "delta_s_ci")
+              "kl_module", "recovered_kl", "recovered_kl_ci", "delta_s", "delta_s_ci")
 # Module vs full KV cache at the benchmark's largest document length (bench_n).
 RUN_KEYS = ("module_bytes", "kv_bytes", "bench_n", "ttft_ms_module", "ttft_ms_full_cached", "ttft_ms_full_cold",
             "tok_s_module", "tok_s_full_cached", "tok_s_full_cold")

@@ -70,6 +70,24 @@ class TokenSums:
         return self.kl / self.n if self.n else float("nan")
 
 
+def scored_sums(logits: torch.Tensor, lp_full: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor,
+                n_rows: int, p_full: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """Per-row sums of correct predictions, NLL and KL(full || model), and the token counts.
+
+    logits [k, V] at the k scored positions; lp_full [k, V] the full model's log-probs there (its
+    probs ``p_full`` when already computed); targets [k]; rows [k] the row (pair) of each position.
+    Returns four float64 tensors [n_rows]: correct, nll, kl, n.
+    """
+    lp = torch.log_softmax(logits.float(), dim=-1)  # [k, V]
+    p_full = lp_full.exp() if p_full is None else p_full
+    correct = (lp.argmax(dim=-1) == targets).double()  # [k]
+    nll = -lp.gather(-1, targets.unsqueeze(-1)).squeeze(-1).double()  # [k]
+    # KL ≥ 0 per token; summing 49k terms leaves float noise of ±1e-7 around 0 for identical models
+    kl = (p_full * (lp_full - lp)).sum(-1).double().clamp_min(0.0)  # [k]
+    return tuple(torch.zeros(n_rows, dtype=torch.float64, device=x.device).index_add_(0, rows, x)
+                 for x in (correct, nll, kl, torch.ones_like(correct)))
+
+
 def token_sums(logits: torch.Tensor, full_logits: torch.Tensor, targets: torch.Tensor,
                mask: torch.Tensor) -> TokenSums:
     """Sums of correct predictions, NLL and KL(full || model) over the masked positions.
@@ -79,13 +97,10 @@ def token_sums(logits: torch.Tensor, full_logits: torch.Tensor, targets: torch.T
     if logits.shape != full_logits.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and full_logits {tuple(full_logits.shape)} differ")
     sel = mask.bool()
-    lp = torch.log_softmax(logits[sel].float(), dim=-1)  # [k, V]
     lp_full = torch.log_softmax(full_logits[sel].float(), dim=-1)  # [k, V]
-    tgt = targets[sel]  # [k]
-    correct = (lp.argmax(dim=-1) == tgt).sum().item()
-    nll = -lp.gather(-1, tgt.unsqueeze(-1)).sum().item()
-    kl = (lp_full.exp() * (lp_full - lp)).sum().item()
-    return TokenSums(float(correct), float(nll), float(kl), int(sel.sum().item()))
+    rows = torch.zeros(int(sel.sum()), dtype=torch.long, device=logits.device)  # one row: everything
+    correct, nll, kl, n = scored_sums(logits[sel], lp_full, targets[sel], rows, 1)
+    return TokenSums(float(correct), float(nll), float(kl), int(n))
 
 
 def accuracy_gap(acc_full: float, acc_module: float) -> float:

@@ -12,6 +12,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
 
 from ..schemas.artifacts import TrainLogRow  # noqa: E402
 from ..schemas.artifacts import BenchmarkRow, PerLayerRow  # noqa: E402
@@ -114,4 +115,54 @@ def benchmark_curves(rows: Sequence[BenchmarkRow]) -> bytes | None:
         ax.set_title(title)
         ax.legend(fontsize=8)
     axes[0].set_yscale("log")
+    return _png(fig)
+
+
+def _human_bytes(v: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if v >= scale:
+            return f"{v / scale:g} {unit}"
+    return f"{v:g} B"
+
+
+def frontier(rows: Sequence[dict]) -> bytes | None:
+    """The quality/memory frontier: KL recovered (95 % CI) against the bytes standing in for the
+    document, one line per system over its budgets ρ, one panel per split. ``rows`` are comparison
+    rows (dicts with system, kind, rho, state_bytes, split, recovered_kl and its interval); ``none``
+    is the 0 line and ``full`` the star at the KV cache's bytes (recovered 1)."""
+    splits = sorted({r["split"] for r in rows}, key=lambda s: ({"test": 0, "challenge": 1}.get(s, 2), s))
+    if not splits:
+        return None
+    fig, axes = plt.subplots(1, len(splits), figsize=(5.2 * len(splits), 4.2), squeeze=False)
+    systems = list(dict.fromkeys(r["system"] for r in rows if r["kind"] != "reference"))
+    colors = {s: plt.get_cmap("tab10")(i % 10) for i, s in enumerate(systems)}
+    for ax, split in zip(axes[0], splits):
+        sel = [r for r in rows if r["split"] == split]
+        for system in systems:
+            pts = sorted((r for r in sel if r["system"] == system and r.get("recovered_kl") is not None
+                          and r["state_bytes"] > 0), key=lambda r: r["state_bytes"])
+            if not pts:
+                continue
+            x = [r["state_bytes"] for r in pts]
+            y = [100 * r["recovered_kl"] for r in pts]
+            lo = [100 * (r["recovered_kl"] - r["recovered_kl_ci_low"]) if r.get("recovered_kl_ci_low") is not None
+                  else 0 for r in pts]
+            hi = [100 * (r["recovered_kl_ci_high"] - r["recovered_kl"]) if r.get("recovered_kl_ci_high") is not None
+                  else 0 for r in pts]
+            style = "o-" if pts[0]["kind"] == "trained" else "s--"
+            ax.errorbar(x, y, yerr=[lo, hi], fmt=style, capsize=3, color=colors[system], label=system)
+        ax.axhline(0, color="gray", lw=1, ls=":", label="none (no document)")
+        full = [r for r in sel if r["system"] == "full"]
+        if full:
+            ax.axhline(100, color="black", lw=1, ls=":")
+            ax.plot([full[0]["state_bytes"]], [100], "*", color="black", ms=12, label="full KV cache")
+        ax.set_xscale("log")
+        ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: _human_bytes(v)))
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel("bytes standing in for the document")
+        ax.set_ylabel("KL recovered, % (95% CI over pairs)")
+        n = sel[0].get("n_pairs") if sel else None
+        ax.set_title(f"{split} ({n} pairs)" if n else split)
+        ax.legend(fontsize=7, loc="lower right")
     return _png(fig)

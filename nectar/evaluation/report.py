@@ -18,6 +18,7 @@ from . import plots
 from .benchmark import ratios
 from .judge import judge_summary
 from .metrics import accuracy_gap, recovered_fraction
+from .quality import INTERVAL_PREFIX
 from ..schemas.artifacts import BenchmarkRow, PerLayerRow
 
 
@@ -41,9 +42,48 @@ def _num(x: float | None) -> float | None:
     return None if x is None or (isinstance(x, float) and math.isnan(x)) else x
 
 
+METRIC_COLUMNS = ("split", "model", "n_pairs", "n_tokens", *[c for metric, prefix in INTERVAL_PREFIX.items()
+                                                              for c in (metric, f"{prefix}_ci_low",
+                                                                        f"{prefix}_ci_high")], "n_agreement")
+
+
 def metrics_table(metrics: Sequence[MetricsRow]) -> list[dict[str, Any]]:
-    return [{"split": m.split, "model": m.model, "token_acc": m.token_acc, "cross_entropy": m.cross_entropy,
-             "kl_to_full": m.kl_to_full, "n_tokens": m.n_tokens} for m in metrics]
+    """Every metric with its interval bounds as plain numbers (for dashboards and sweeps)."""
+    return [{c: getattr(m, c) for c in METRIC_COLUMNS} for m in metrics]
+
+
+def fmt_interval(value: Any, low: Any, high: Any) -> str:
+    """``0.723 [0.701, 0.745]``; the bare value when there is no interval."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    if low is None or high is None:
+        return fmt(value)
+    return f"{fmt(value)} [{fmt(low)}, {fmt(high)}]"
+
+
+def with_intervals(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows for display: each metric's ``_ci_low/_ci_high`` folded into one "value [low, high]" cell."""
+    bounds = {f"{p}_ci_{end}" for p in INTERVAL_PREFIX.values() for end in ("low", "high")}
+    out = []
+    for r in rows:
+        row = {}
+        for key, value in r.items():
+            if key in bounds:
+                continue
+            prefix = INTERVAL_PREFIX.get(key)
+            row[key] = fmt_interval(value, r.get(f"{prefix}_ci_low"), r.get(f"{prefix}_ci_high")) if prefix else value
+        out.append(row)
+    return out
+
+
+METRICS_NOTE = ("Every pair of each split, teacher forced on its response tokens; [low, high] is a 95 % paired "
+                "bootstrap interval over pairs. recovered_kl = 1 − KL_model / KL_none: the share of the document's "
+                "effect on the next-token distribution the model keeps (none 0, full 1). agreement_*: greedy "
+                "continuations of n_agreement prompts compared with the full-context model's (exact match, "
+                "ROUGE-L F1, all-MiniLM-L6-v2 cosine).")
+COMPARE_NOTE = ("How the module compares with the equal-bytes alternatives (a truncated or evicted KV cache, "
+                "Attention Matching, cartridges, other training regimes): `nectar compare {run}` writes "
+                "[../compare/comparison.md](../compare/comparison.md) and a quality/memory frontier figure.")
 
 
 def per_layer_summary(rows: Sequence[PerLayerRow]) -> list[dict[str, Any]]:
@@ -79,6 +119,14 @@ def headline_table(inputs: ReportInputs, judge_rows: list[dict[str, Any]]) -> li
             row["recovered_fraction"] = recovered_fraction(mod.token_acc, full.token_acc, none.token_acc)
             row["ce_gap"] = mod.cross_entropy - full.cross_entropy
             row["kl_module"] = mod.kl_to_full
+            row["kl_module_ci"] = [mod.kl_ci_low, mod.kl_ci_high]
+            row["kl_none"] = none.kl_to_full
+            row["recovered_kl"] = mod.recovered_kl
+            row["recovered_kl_ci"] = [mod.recovered_kl_ci_low, mod.recovered_kl_ci_high]
+            row["agreement_rouge_l_module"] = mod.agreement_rouge_l
+            row["agreement_rouge_l_none"] = none.agreement_rouge_l
+            row["n_pairs"] = mod.n_pairs
+            row["n_tokens"] = mod.n_tokens
         if split in rte:
             row["rte_A_total"] = rte[split]
         j = judged.get(split)
@@ -168,6 +216,18 @@ def headline_lines(tables: dict[str, list[dict[str, Any]]]) -> list[tuple[str, s
             out.append((f"{s}: token accuracy module / full / none",
                         f"{100 * h['token_acc_module']:.1f} / {100 * h['token_acc_full']:.1f} / "
                         f"{100 * h['token_acc_none']:.1f} %"))
+        if h.get("recovered_kl") is not None:
+            lo, hi = h["recovered_kl_ci"]
+            out.append((f"{s}: share of the no-document KL recovered, 1 − KL_module/KL_none (95% CI over "
+                        f"{h['n_pairs']} pairs, {h['n_tokens']} tokens)",
+                        f"{100 * h['recovered_kl']:.1f} %"
+                        + ("" if lo is None else f" [{100 * lo:.1f}, {100 * hi:.1f}]")))
+            lo, hi = h["kl_module_ci"]
+            out.append((f"{s}: KL(full ‖ module) / KL(full ‖ none), nats per token",
+                        f"{fmt_interval(h['kl_module'], lo, hi)} / {fmt(h['kl_none'])}"))
+        if h.get("agreement_rouge_l_module") is not None:
+            out.append((f"{s}: greedy agreement with the full model, ROUGE-L module / none",
+                        f"{fmt(h['agreement_rouge_l_module'])} / {fmt(h['agreement_rouge_l_none'])}"))
         if "delta_s" in h:
             ci = h.get("delta_s_ci")
             val = "–" if h["delta_s"] is None else (f"{h['delta_s']:.2f}" + (f" ± {ci:.2f}" if ci is not None else ""))
@@ -247,8 +307,11 @@ def render_markdown(inputs: ReportInputs, tables: dict[str, list[dict[str, Any]]
     md += [f"> {n}\n" for n in inputs.notes]
     md.append("## Headline\n")
     md.append(_md_table([{"metric": k, "value": v} for k, v in headline_lines(tables)]))
-    md.append("## Teacher-forced metrics (response tokens)\n")
-    md.append(_md_table(tables["metrics"]))
+    md.append("## Teacher-forced metrics and agreement with the full-context model\n")
+    md.append(METRICS_NOTE + "\n")
+    md.append(_md_table(with_intervals(tables["metrics"])))
+    md.append("## Comparison with equal-bytes baselines\n")
+    md.append(COMPARE_NOTE.format(run=inputs.facts.get("run", "RUN_DIR")) + "\n")
     md.append("## LLM judge: Δs = mean(base) − mean(module), 95% Student-t intervals\n")
     md.append(_md_table(tables["judge"], JUDGE_COLUMNS))
     md.append("## Generation benchmark (App. F)\n")
@@ -302,7 +365,14 @@ def render_html(inputs: ReportInputs, tables: dict[str, list[dict[str, Any]]], f
                                                     for k, v in inputs.facts.items()) + "</p>")
     h += [f'<div class="note">{html.escape(n)}</div>' for n in inputs.notes]
     h.append("<h2>Headline</h2>" + _html_table([{"metric": k, "value": v} for k, v in headline_lines(tables)]))
-    h.append("<h2>Teacher-forced metrics (response tokens)</h2>" + _html_table(tables["metrics"]))
+    h.append("<h2>Teacher-forced metrics and agreement with the full-context model</h2>"
+             f"<p>{html.escape(METRICS_NOTE)}</p>" + _html_table(with_intervals(tables["metrics"])))
+    run = html.escape(str(inputs.facts.get("run", "RUN_DIR")))
+    h.append("<h2>Comparison with equal-bytes baselines</h2><p>How the module compares with the equal-bytes "
+             "alternatives (a truncated or evicted KV cache, Attention Matching, cartridges, other training "
+             f"regimes): <code>nectar compare {run}</code> writes "
+             '<a href="../compare/comparison.md">../compare/comparison.md</a> and '
+             '<a href="../compare/frontier.png">a quality/memory frontier figure</a>.</p>')
     h.append("<h2>LLM judge</h2><p>Δs = mean(base) − mean(module) over samples where both judgments "
              "parsed (lower is better); ± is the 95% Student-t half width.</p>"
              + _html_table(tables["judge"], JUDGE_COLUMNS))

@@ -1,9 +1,10 @@
-"""Teacher-forced evaluation of the three models, and the per-head App. C errors from the targets.
+"""Teacher-forced evaluation of document providers, and the per-head App. C errors from the targets.
 
 Every model is the same base model with a different document provider (nectar.attention.forward):
 ``module`` (the trained module), ``full`` (ExactDocState over the document's cached KV, never
-re-prefilled) and ``none`` (no document). The query tokens are the ones the targets stage cached,
-so every stage scores exactly the same token sequences.
+re-prefilled), ``none`` (no document) — or any number of systems at once (``nectar compare``). The
+query tokens are the ones the targets stage cached, so every stage scores exactly the same token
+sequences. Sums are kept per pair: the intervals resample pairs (nectar.evaluation.bootstrap).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 
 from ..attention.forward import query_logits
 from ..models import BaseModel
-from .metrics import HeadErrors, TokenSums, layer_head_errors, response_targets, token_sums
+from .metrics import HeadErrors, TokenSums, layer_head_errors, response_targets, scored_sums
 
 MODELS = ("module", "full", "none")
 
@@ -44,41 +45,89 @@ def _pad(pairs: list[EvalPair], device: torch.device):
     return ids, mask, starts, lengths
 
 
+@dataclass
+class PairSums:
+    """Per-pair sums over the scored (response) tokens of one model; arrays [P] in pair order.
+
+    Intervals resample pairs (nectar.evaluation.bootstrap), so the per-pair sums are what is kept.
+    """
+
+    correct: np.ndarray
+    nll: np.ndarray
+    kl: np.ndarray
+    n: np.ndarray
+
+    @classmethod
+    def zeros(cls, n_pairs: int) -> "PairSums":
+        return cls(*(np.zeros(n_pairs) for _ in range(4)))
+
+    def take(self, idx) -> "PairSums":
+        """The sums of the pairs at ``idx`` (e.g. one split's pairs)."""
+        idx = np.asarray(idx, dtype=np.int64)
+        return PairSums(self.correct[idx], self.nll[idx], self.kl[idx], self.n[idx])
+
+    def total(self) -> TokenSums:
+        return TokenSums(float(self.correct.sum()), float(self.nll.sum()), float(self.kl.sum()),
+                         int(self.n.sum()))
+
+
 @torch.no_grad()
-def teacher_forced_sums(
+def teacher_forced_pair_sums(
     base: BaseModel,
     providers: dict[str, Callable | None],
     pairs: Iterable[EvalPair],
     n: int,
     batch_size: int = 4,
     progress: Callable[[int, int], None] | None = None,
-) -> dict[str, dict[str, TokenSums]]:
-    """{split: {model: TokenSums}} over the response tokens of ``pairs``.
+) -> dict[str, PairSums]:
+    """{model: PairSums} over the response tokens of ``pairs`` (arrays in the order of ``pairs``).
 
-    ``providers`` maps model name → provider and must hold "full" (the reference for KL).
+    ``providers`` maps model name → provider and must hold "full" (the reference for KL). Each batch
+    runs the full-context forward once and keeps its log-probs; every other provider (any number:
+    the comparison evaluates a dozen systems in one pass) is then scored against them, one forward
+    each, so the full and no-document passes are shared by every system. Pairs are batched by length
+    (less padding); the results are put back in the given order.
     """
     if "full" not in providers:
         raise ValueError("providers must include 'full' (the KL reference)")
     pairs = list(pairs)
     if not pairs:
         raise ValueError("no pairs to evaluate")
-    out: dict[str, dict[str, TokenSums]] = {}
-    for lo in range(0, len(pairs), batch_size):
-        batch = pairs[lo: lo + batch_size]
+    order = sorted(range(len(pairs)), key=lambda i: len(pairs[i].ids))
+    out = {name: PairSums.zeros(len(pairs)) for name in providers}
+    names = ["full", *(k for k in providers if k != "full")]  # the reference first
+    done = 0
+    for lo in range(0, len(order), batch_size):
+        idx = order[lo: lo + batch_size]
+        batch = [pairs[i] for i in idx]
         ids, mask, starts, lengths = _pad(batch, base.device)
         targets, scored = response_targets(ids, starts, lengths)  # [b, m], [b, m]
-        logits = {name: query_logits(base, p, ids, n, mask) for name, p in providers.items()}  # [b, m, V]
-        for i, pair in enumerate(batch):
-            row = slice(i, i + 1)
-            for name, lg in logits.items():
-                s = token_sums(lg[row], logits["full"][row], targets[row], scored[row])
-                for split in pair.splits:
-                    cell = out.setdefault(split, {})
-                    cell[name] = cell.get(name, TokenSums()).add(s)
-        del logits
+        rows = scored.nonzero()[:, 0]  # [k]: the batch row of each scored position
+        tgt = targets[scored]  # [k]
+        lp_full = p_full = None
+        for name in names:
+            logits = query_logits(base, providers[name], ids, n, mask)[scored]  # [k, V]
+            if lp_full is None:
+                lp_full = torch.log_softmax(logits.float(), dim=-1)  # [k, V]
+                p_full = lp_full.exp()
+            sums = scored_sums(logits, lp_full, tgt, rows, len(batch), p_full)
+            del logits
+            dest = out[name]
+            for arr, s in zip((dest.correct, dest.nll, dest.kl, dest.n), sums):
+                arr[idx] = s.cpu().numpy()
+        done += len(batch)
         if progress:
-            progress(min(lo + batch_size, len(pairs)), len(pairs))
+            progress(done, len(pairs))
     return out
+
+
+def split_totals(sums: dict[str, PairSums], pairs: list[EvalPair]) -> dict[str, dict[str, TokenSums]]:
+    """{split: {model: TokenSums}}: the per-pair sums added up over each split's pairs."""
+    members: dict[str, list[int]] = {}
+    for i, p in enumerate(pairs):
+        for split in p.splits:
+            members.setdefault(split, []).append(i)
+    return {split: {name: s.take(idx).total() for name, s in sums.items()} for split, idx in members.items()}
 
 
 @torch.no_grad()

@@ -139,6 +139,39 @@ def sweep(
 
 
 @app.command()
+def compare(
+    run_dir: str = typer.Argument(..., help="A run directory whose data stages (chunk → targets) completed."),
+    rho: Optional[str] = typer.Option(None, "--rho", help="Further budgets, e.g. 0.02,0.05,0.10 (the run's ρ is "
+                                                          "always compared)."),
+    systems: Optional[str] = typer.Option(None, "--systems", help="Comma-separated subset (default: every system: "
+                                                                  "none, full, regression, mixed, distill, cartridges, "
+                                                                  "truncate, evict, attention_matching)."),
+) -> None:
+    """Every system at equal bytes on the run's held-out pairs: trains what is missing, writes
+    RUN_DIR/compare/comparison.{parquet,md} and frontier.png."""
+    _quiet_prefect()
+    from ..comparison import CompareInputError, open_for_compare, parse_rhos, validate
+    from . import flows
+
+    names = [s.strip() for s in systems.split(",") if s.strip()] if systems else None
+    try:  # fail fast, before Prefect starts or anything trains
+        rhos = parse_rhos(rho)
+        validate(open_for_compare(run_dir), names, rhos)
+    except CompareInputError as exc:
+        console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
+        raise typer.Exit(2)
+    flows.CONSOLE_PROGRESS = _tqdm_progress
+    try:
+        result = flows.nectar_compare(run_dir=run_dir, rhos=rhos or None, systems=names)
+    except Exception as exc:  # a train stage failed: its error.json is in its run dir; trained ones are cached
+        console.print(f"[red]error:[/red] {type(exc).__name__}: {exc}", soft_wrap=True)
+        console.print("Fix the cause and run the same command again: trained systems are cached.")
+        raise typer.Exit(1)
+    typer.echo(result["table"])
+    typer.echo(f"{result['run_dir'].rstrip('/')}/compare/comparison.md")
+
+
+@app.command()
 def status(run_dir: str = typer.Argument(..., help="A run directory, or a folder of runs (runs/<doc-id>).")) -> None:
     """Each stage of a run: done / cached / stale / failed / missing, with counts and the last error.
 
@@ -238,6 +271,21 @@ def _print_status(run_dir: str) -> None:
         table.add_row(stage, f"[{colors[st['state']]}]{st['state']}[/]", counts,
                       "" if st["duration_s"] is None else f"{st['duration_s']:.1f}")
     Console().print(table)
+    _print_comparison(run)
+
+
+def _print_comparison(run) -> None:
+    """One line pointing at the run's equal-bytes comparison (``nectar compare``), when there is one."""
+    import json
+
+    if not run.exists("compare", "info.json"):
+        return
+    with run.fs.open(run.local_path("compare", "info.json"), "r") as f:
+        info = json.load(f)
+    splits = ", ".join(f"{s} {n} pairs" for s, n in info.get("splits", {}).items())
+    Console().print(f"comparison: {run.url('compare', 'comparison.md')} ({len(info.get('systems', []))} systems, "
+                    f"ρ {', '.join(f'{r:g}' for r in info.get('rhos', []))}; {splits}; {info.get('created_at', '')})",
+                    soft_wrap=True)
 
 
 # ----- operations against a Prefect server: deploy / schedule / trigger / rerun / retry (deploy.py) -----

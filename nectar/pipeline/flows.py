@@ -202,3 +202,40 @@ def nectar_sweep(
         write_json(ctx.run.url("sweep", "comparison.json"), rows)
     create_table_artifact(key=_key(ctx.doc_id, "sweep"), table=rows, description=f"{ctx.doc_id} · sweep")
     return {"run_dir": ctx.run.root, "doc_id": ctx.doc_id, "comparison": rows, "table": table_md}
+
+
+def _compare_run_name() -> str:
+    run_dir = str((flow_run.parameters or {}).get("run_dir", "run")).rstrip("/")
+    return f"{_key(run_dir.split('/')[-1]) or 'run'}-compare"
+
+
+@flow(name="nectar-compare", flow_run_name=_compare_run_name, log_prints=True)
+def nectar_compare(run_dir: str, rhos: list[float] | None = None, systems: list[str] | None = None) -> dict[str, Any]:
+    """Every system at equal bytes on one run (``nectar compare``): the train stages of what is
+    missing run as subflows (cache hits when trained before), then one scoring pass; the table and
+    the frontier figure are published as artifacts."""
+    from .. import comparison
+
+    ctx = comparison.open_for_compare(run_dir)
+    ctx.progress = _prefect_progress(ctx.doc_id)
+    with tags("nectar", f"doc:{ctx.doc_id}", "compare"):
+        comparison.refresh_targets(ctx, lambda c, stage: nectar_stage.with_options(
+            flow_run_name=f"{ctx.doc_id}-{stage}")(run_dir=c.run.root, stage=stage, force=False))
+        jobs = comparison.plan_jobs(ctx, systems, rhos)
+        t0 = time.perf_counter()
+
+        def train_stage(vctx: orchestration.RunContext) -> Any:
+            name = vctx.run.root.rstrip("/").split("/")[-1]
+            return nectar_stage.with_options(flow_run_name=f"{ctx.doc_id}-{name}-train")(
+                run_dir=vctx.run.root, stage="train", force=False)
+
+        comparison.train_missing(jobs, train_stage, ctx.progress("compare:train"))
+        result = comparison.score_and_write(ctx, jobs, ctx.progress, {"train_s": time.perf_counter() - t0})
+    out = ctx.run.url("compare")
+    create_table_artifact(key=_key(ctx.doc_id, "compare"), description=f"{ctx.doc_id} · equal-bytes comparison",
+                          table=[r.model_dump(exclude={"schema_version"}) for r in result.rows])
+    create_markdown_artifact(key=_key(ctx.doc_id, "compare-report"), description=f"{ctx.doc_id} · comparison",
+                             markdown=result.markdown.replace("](frontier.png)", f"]({out}/frontier.png)")
+                             + f"\n\nFiles: `{out}/comparison.parquet`, `{out}/comparison.md`, `{out}/frontier.png`\n")
+    return {"run_dir": ctx.run.root, "doc_id": ctx.doc_id, "table": result.markdown, "files": result.files,
+            "timings_s": result.timings}

@@ -16,6 +16,7 @@ __all__ = [
     "DocumentInfo", "ChunkRow", "PairRow", "DatasetRow", "ProbeRow", "Verdict", "Split",
     "StageManifest", "RunManifest", "TargetsHeader", "TargetsPairRow", "ModuleSpec",
     "TrainLogRow", "MetricsRow", "GenerationRow", "JudgmentRow", "PerLayerRow", "BenchmarkRow", "BenchSystem",
+    "ComparisonRow",
 ]
 
 
@@ -228,6 +229,10 @@ class TrainLogRow(Artifact):
 
 
 class MetricsRow(Artifact):
+    """Teacher-forced metrics of one model on one split; ``*_ci_low/high`` are 95 % paired bootstrap
+    intervals over pairs (nectar/evaluation/quality.py), None where undefined (e.g. < 2 pairs); the
+    interval columns are optional additions, so tables written before them still read."""
+
     schema_version: int = 1
     split: str
     model: Literal["module", "full", "none"]
@@ -235,6 +240,27 @@ class MetricsRow(Artifact):
     cross_entropy: float
     kl_to_full: float
     n_tokens: int
+    n_pairs: int | None = None
+    token_acc_ci_low: float | None = None
+    token_acc_ci_high: float | None = None
+    cross_entropy_ci_low: float | None = None
+    cross_entropy_ci_high: float | None = None
+    kl_ci_low: float | None = None
+    kl_ci_high: float | None = None
+    recovered_kl: float | None = None  # 1 − KL_model / KL_none
+    recovered_kl_ci_low: float | None = None
+    recovered_kl_ci_high: float | None = None
+    # greedy-generation agreement with the full-context model over n_agreement prompts
+    n_agreement: int = 0
+    agreement_exact: float | None = None
+    agreement_exact_ci_low: float | None = None
+    agreement_exact_ci_high: float | None = None
+    agreement_rouge_l: float | None = None
+    agreement_rouge_l_ci_low: float | None = None
+    agreement_rouge_l_ci_high: float | None = None
+    agreement_cosine: float | None = None
+    agreement_cosine_ci_low: float | None = None
+    agreement_cosine_ci_high: float | None = None
 
 
 class GenerationRow(Artifact):
@@ -294,3 +320,46 @@ class BenchmarkRow(Artifact):
     repeats: int
     device: str
     note: str = ""  # e.g. "random-init module of the same architecture (timing only)"
+
+
+class ComparisonRow(Artifact):
+    """One system at one budget ρ on one split (``nectar compare``: compare/comparison.parquet).
+
+    Quality columns as in MetricsRow (95 % paired bootstrap intervals over pairs; every system of a
+    split is resampled on the same pairs). ``none`` and ``full`` are reference rows with rho None.
+    """
+
+    schema_version: int = 1
+    system: str
+    kind: Literal["reference", "trained", "baseline"]
+    regime: str | None = None  # training regime of a trained system (nectar/schemas/presets.py REGIMES)
+    arch: str | None = None
+    rho: float | None = None  # the budget: share of the document KV bytes (None for none/full)
+    state_bytes: int  # bytes standing in for the document: 0 (none), the KV cache (full), the module/baseline
+    split: str
+    n_pairs: int
+    n_tokens: int
+    kl_to_full: float | None
+    kl_ci_low: float | None = None
+    kl_ci_high: float | None = None
+    recovered_kl: float | None = None
+    recovered_kl_ci_low: float | None = None
+    recovered_kl_ci_high: float | None = None
+    token_acc: float | None = None
+    token_acc_ci_low: float | None = None
+    token_acc_ci_high: float | None = None
+    cross_entropy: float | None = None
+    cross_entropy_ci_low: float | None = None
+    cross_entropy_ci_high: float | None = None
+    n_agreement: int = 0
+    agreement_rouge_l: float | None = None
+    agreement_rouge_l_ci_low: float | None = None
+    agreement_rouge_l_ci_high: float | None = None
+    agreement_exact: float | None = None
+    agreement_exact_ci_low: float | None = None
+    agreement_exact_ci_high: float | None = None
+    agreement_cosine: float | None = None
+    agreement_cosine_ci_low: float | None = None
+    agreement_cosine_ci_high: float | None = None
+    train_seconds: float | None = None  # training (trained) or fitting (baseline) time
+    source: str | None = None  # where the module came from: its run directory, or the baseline's fit

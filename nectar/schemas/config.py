@@ -207,6 +207,16 @@ class EvaluateConfig(FrozenConfig):
     seed: int = 0
     benchmark_lengths: tuple[int, ...] = (512, 1024, 2048)
     benchmark_new_tokens: int = 32
+    # Teacher-forced metrics use every pair of a split (max_samples caps the judged generations);
+    # their 95 % intervals come from a paired bootstrap over pairs with this many resamples.
+    bootstrap_resamples: int = Field(2000, ge=100)
+    # Greedy agreement with the full-context model (exact match, ROUGE-L, embedding cosine): up to
+    # this many pairs per split (0 = off), continuations of up to this many tokens.
+    # Greedy decoding is the costly part of evaluation (one decode step per token per system), and
+    # agreement needs the start of a continuation, not all of it.
+    agreement_max_samples: int = Field(64, ge=0)
+    agreement_new_tokens: int = Field(32, ge=1)
+    embedder: str = "embedded:all-minilm-l6-v2"
 
 
 class PipelineConfig(FrozenConfig):

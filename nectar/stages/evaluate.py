@@ -1,11 +1,15 @@
-"""The evaluate stage (DESIGN.md §5, paper §4.2–4.3, App. C, F, G). Pure Python, no Prefect.
+"""The evaluate stage (DESIGN.md §5, §11; paper §4.2–4.3, App. C, F, G). Pure Python, no Prefect.
 
-On the held-out pairs of each split (``test``: a seeded sample of the test pairs; ``challenge``:
-the test pairs least similar to any training instruction, App. E), it writes
+On the held-out pairs of each split (``test``; ``challenge``: the test pairs least similar to any
+training instruction, App. E; and every further held-out split the targets hold, e.g. ``probes``),
+it writes
 
-  metrics.parquet      MetricsRow: token accuracy, cross-entropy, KL to full — module / full / none
+  metrics.parquet      MetricsRow: token accuracy, cross-entropy, KL to full, KL recovered and greedy
+                       agreement with the full model — module / full / none — over EVERY pair of the
+                       split, each with a 95 % paired bootstrap interval over pairs
   per_layer.parquet    PerLayerRow: score/target MSE and relative transport error per layer × head
-  generations.parquet  GenerationRow: module and full-context answers side by side
+  generations.parquet  GenerationRow: module and full-context answers side by side (a seeded sample
+                       of up to ``max_samples`` pairs per split)
   judgments.parquet    JudgmentRow: three judge comparisons per sample (parse failures kept)
   benchmark.parquet    BenchmarkRow: TTFT, tok/s, peak memory — module vs full KV, cold and cached
   report.md, report.html, figures/*.png
@@ -15,8 +19,6 @@ stage; the no-document model has no provider; the module-plugged model uses the 
 """
 from __future__ import annotations
 
-import random
-from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -28,7 +30,10 @@ from ..evaluation.generations import GenItem, generate_answers, generation_rows
 from ..evaluation.judge import ChatFn, JudgeItem, judge
 from ..evaluation.report import ReportInputs, write_report
 from ..schemas.artifacts import BenchmarkRow, PerLayerRow
-from ..evaluation.teacher import EvalPair, head_errors, teacher_forced_sums
+from ..evaluation.quality import SystemQuality
+from ..evaluation.scoring import score_providers
+from ..evaluation.selection import EvaluateInputError, Selection, evaluated_splits, select_pairs
+from ..evaluation.teacher import head_errors
 from ..layout import PromptLayout
 from ..models import BaseModel
 from ..modules.builder import ModulePlan, NectarModule
@@ -41,54 +46,17 @@ from ..targets.store import open_targets
 
 Progress = Callable[[str, int, int], None]  # (step, done, total)
 
-
-class EvaluateInputError(ValueError):
-    pass
+__all__ = ["EvaluateInputError", "constant_judge_score", "evaluate", "evaluated_splits", "select_pairs"]
 
 
-@dataclass
-class Selection:
-    """The evaluated pairs: one EvalPair per pair (with every split it belongs to)."""
-
-    pairs: list[EvalPair]
-    rows: dict[str, TargetsPairRow]
-    per_split: dict[str, list[str]] = field(default_factory=dict)  # split → pair ids
-
-
-def select_pairs(target_rows: Sequence[TargetsPairRow], token_ids: np.ndarray, cfg: EvaluateConfig) -> Selection:
-    """Seeded sample of up to ``max_samples`` pairs per split, from the pairs the targets cached."""
-    pools = {
-        "test": [r for r in target_rows if r.split == "test"],
-        "challenge": [r for r in target_rows if r.split == "test" and r.challenge],
-    }
-    rng = random.Random(cfg.seed)
-    per_split: dict[str, list[str]] = {}
-    for split in cfg.splits:
-        if split not in pools:
-            raise EvaluateInputError(f"evaluate.splits has {split!r}; the splits are {sorted(pools)}")
-        pool = sorted(pools[split], key=lambda r: r.pair_id)
-        picked = pool if len(pool) <= cfg.max_samples else rng.sample(pool, cfg.max_samples)
-        per_split[split] = sorted(r.pair_id for r in picked)
-    rows = {r.pair_id: r for r in target_rows}
-    members: dict[str, list[str]] = {}
-    for split, ids in per_split.items():
-        for pid in ids:
-            members.setdefault(pid, []).append(split)
-    pairs = []
-    for pid in sorted(members):
-        r = rows[pid]
-        ids = token_ids[r.start: r.start + r.length]
-        if r.response_start >= r.length:  # truncated before any response token: nothing to score
-            continue
-        pairs.append(EvalPair(pid, r.task, tuple(members[pid]), tuple(int(t) for t in ids),
-                              r.response_start, r.start))
-    return Selection(pairs, rows, per_split)
-
-
-def _metrics_rows(sums) -> list[MetricsRow]:
-    return [MetricsRow(split=split, model=model, token_acc=s.token_acc, cross_entropy=s.cross_entropy,
-                       kl_to_full=s.kl_to_full, n_tokens=s.n)
-            for split, by_model in sorted(sums.items()) for model, s in by_model.items()]
+def _metrics_rows(quality: dict[str, dict[str, SystemQuality]]) -> list[MetricsRow]:
+    rows = []
+    for split, by_model in sorted(quality.items()):
+        for model in ("module", "full", "none"):
+            cols = by_model[model].columns()
+            rows.append(MetricsRow(split=split, model=model,
+                                   **{k: v for k, v in cols.items() if k in MetricsRow.model_fields}))
+    return rows
 
 
 def _target_rows(targets_url: str, base: BaseModel, doc_kv: DocKV):
@@ -156,7 +124,7 @@ def evaluate(
     title: str = "NECTAR evaluation",
     facts: dict[str, Any] | None = None,
     batch_size: int = 4,
-    gen_batch_size: int = 8,
+    gen_batch_size: int = 16,
     progress: Progress | None = None,
 ) -> dict[str, Any]:
     """Run every evaluation step and write the tables and the report into ``out_url``.
@@ -174,9 +142,10 @@ def evaluate(
         raise EvaluateInputError(f"the module was trained for n={module_spec.n_context} document tokens, "
                                  f"this document has {layout.n}; re-run from the train stage")
     target_rows = read_table(f"{targets_url}/pairs.parquet", TargetsPairRow)
-    sel = select_pairs(target_rows, g["token_ids"][:], cfg)
+    splits = evaluated_splits(target_rows, cfg)
+    sel = select_pairs(target_rows, g["token_ids"][:], cfg, splits)
     if not sel.pairs:
-        raise EvaluateInputError(f"no held-out pairs with response tokens for splits {cfg.splits}; "
+        raise EvaluateInputError(f"no held-out pairs with response tokens for splits {splits}; "
                                  "check the verify stage's test split")
     notes: list[str] = []
     empty = [s for s, ids in sel.per_split.items() if not ids]
@@ -185,18 +154,22 @@ def evaluate(
 
     module_p, full_p = ModuleDocState(module), ExactDocState(doc_kv)
     providers = {"module": module_p, "full": full_p, "none": None}
-    sums = teacher_forced_sums(base, providers, sel.pairs, layout.n, batch_size,
-                               lambda d, t: step("teacher_forced", d, t))
-    metrics = _metrics_rows(sums)
+    _, quality = score_providers(base, layout.n, providers, sel, cfg, batch_size, gen_batch_size, step)
+    metrics = _metrics_rows(quality)
     per_layer = _per_layer_rows(_target_rows(targets_url, base, doc_kv), header, module_p, sel, base.device)
 
     by_id = {r.pair_id: r for r in dataset}
-    missing = [p.pair_id for p in sel.pairs if p.pair_id not in by_id]
-    if missing:
+    judged = {pid for ids in sel.judged.values() for pid in ids}
+    missing = [pid for pid in sorted(judged) if pid not in by_id]
+    if any(sel.rows[pid].split == "test" for pid in missing):
         raise EvaluateInputError(f"targets list pairs the dataset lacks (e.g. {missing[:3]}); "
                                  "re-run from the targets stage")
-    items = [GenItem(p.pair_id, p.task, p.splits, by_id[p.pair_id].instruction, by_id[p.pair_id].response)
-             for p in sel.pairs]
+    if missing:
+        notes.append(f"{len(missing)} pairs of the splits {sorted({sel.rows[p].split for p in missing})} have no "
+                     "instruction in the dataset; they are scored teacher-forced and by agreement, not judged")
+    items = [GenItem(p.pair_id, p.task, tuple(s for s in p.splits if p.pair_id in sel.judged.get(s, ())),
+                     by_id[p.pair_id].instruction, by_id[p.pair_id].response)
+             for p in sel.pairs if p.pair_id in judged and p.pair_id in by_id]
     gen_providers = {"module": inference_provider(module, base.dtype), "full": full_p}  # the fused module decodes
     answers = generate_answers(base, layout, gen_providers, items, cfg,
                                gen_batch_size, lambda d, t: step("generate", d, t))
@@ -262,4 +235,6 @@ def _counts(sel: Selection, metrics, judgments, bench, generations) -> dict[str,
     counts["empty_full_answers"] = sum(not g.full_output for g in generations)
     for m in metrics:
         counts[f"token_acc_{m.split}_{m.model}"] = round(m.token_acc, 4)
+        if m.model == "module" and m.recovered_kl is not None:
+            counts[f"recovered_kl_{m.split}_module"] = round(m.recovered_kl, 4)
     return counts

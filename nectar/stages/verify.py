@@ -305,15 +305,10 @@ def max_similarity(queries: list[str], corpus: list[str], embedder_path: str) ->
         return (q @ c.T).max(dim=1).values.tolist()  # [n_test]
 
 
-_EMBEDDERS: dict[str, Any] = {}
-
-
 def _embedder(path: str):
-    if path not in _EMBEDDERS:
-        from sentence_transformers import SentenceTransformer
+    from ..models import load_embedder
 
-        _EMBEDDERS[path] = SentenceTransformer(path, device="cpu")
-    return _EMBEDDERS[path]
+    return load_embedder(path)
 
 
 # ----- bookkeeping -----

@@ -9,8 +9,12 @@ from nectar.schemas import GenerationRow, JudgmentRow, MetricsRow, TrainLogRow
 
 
 def _inputs():
-    metrics = [MetricsRow(split="test", model=m, token_acc=a, cross_entropy=ce, kl_to_full=kl, n_tokens=100)
-               for m, a, ce, kl in (("module", 0.55, 2.1, 0.3), ("full", 0.60, 1.9, 0.0), ("none", 0.40, 2.8, 0.9))]
+    metrics = [MetricsRow(split="test", model=m, token_acc=a, cross_entropy=ce, kl_to_full=kl, n_tokens=100,
+                          n_pairs=8, token_acc_ci_low=a - 0.05, token_acc_ci_high=a + 0.05, kl_ci_low=kl * 0.8,
+                          kl_ci_high=kl * 1.25, recovered_kl=rec, recovered_kl_ci_low=rec_lo, recovered_kl_ci_high=rec_hi)
+               for m, a, ce, kl, rec, rec_lo, rec_hi in (("module", 0.55, 2.1, 0.3, 2 / 3, 0.6, 0.72),
+                                                         ("full", 0.60, 1.9, 0.0, 1.0, 1.0, 1.0),
+                                                         ("none", 0.40, 2.8, 0.9, 0.0, 0.0, 0.0))]
     per_layer = [PerLayerRow(split="test", layer=l, q_head=h, kv_head=h // 2, mse_alpha=0.1, mse_A=0.2,
                              rte_alpha=-3.0, rte_A=-1.0 - l, n_tokens=50) for l in range(3) for h in range(4)]
     gens = [GenerationRow(pair_id=f"p{i}", split="test", task=t, instruction=f"Question <{i}>?",
@@ -59,6 +63,11 @@ def test_written_report_is_self_contained(tmp_path):
     md = (tmp_path / "report.md").read_text()
     assert "full answer<br>second \\| line" in md and "Question &lt;0&gt;?" in md
     assert "## Headline" in md and "| test: token-accuracy gap (full − module) | 5.00 pts |" in md
+    # intervals: in the metrics table and the headline, with the sample size
+    assert "| test | module | 8 | 100 | 0.550 [0.500, 0.600] |" in md
+    assert "0.300 [0.240, 0.375]" in md and "0.300 [0.240, 0.375]" in html
+    assert "(95% CI over 8 pairs, 100 tokens) | 66.7 % [60.0, 72.0] |" in md
+    assert "../compare/comparison.md" in md and "nectar compare" in html
     for rel in out.files:
         if rel.endswith(".png"):
             assert (tmp_path / rel).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

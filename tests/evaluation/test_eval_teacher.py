@@ -6,7 +6,8 @@ import torch
 from nectar.attention.doc_kv import prefill_document
 from nectar.attention.exact import ExactDocState
 from nectar.attention.state import AttnState
-from nectar.evaluation.teacher import EvalPair, head_errors, teacher_forced_sums
+from nectar.evaluation.quality import split_quality
+from nectar.evaluation.teacher import EvalPair, head_errors, split_totals, teacher_forced_pair_sums
 from nectar.layout import build_layout
 from nectar.targets.capture import capture_packed
 
@@ -57,7 +58,7 @@ def test_full_model_matches_the_ordinary_forward_and_others_differ(tiny_llama, s
     layout, kv, pairs = setup
     full = ExactDocState(kv)
     providers = {"module": Shifted(full, 0.3, -1.0), "full": full, "none": None}
-    sums = teacher_forced_sums(tiny_llama, providers, pairs, layout.n, batch_size=2)
+    sums = split_totals(teacher_forced_pair_sums(tiny_llama, providers, pairs, layout.n, batch_size=2), pairs)
     acc, n_tok = _reference_accuracy(tiny_llama, layout, pairs)
     assert sums["test"]["full"].n == n_tok
     assert sums["test"]["full"].token_acc == pytest.approx(acc)
@@ -70,11 +71,40 @@ def test_full_model_matches_the_ordinary_forward_and_others_differ(tiny_llama, s
 def test_batching_does_not_change_the_sums(tiny_llama, setup):
     layout, kv, pairs = setup
     providers = {"full": ExactDocState(kv), "none": None}
-    one = teacher_forced_sums(tiny_llama, providers, pairs, layout.n, batch_size=1)
-    two = teacher_forced_sums(tiny_llama, providers, pairs, layout.n, batch_size=2)  # padded batch
+    one = split_totals(teacher_forced_pair_sums(tiny_llama, providers, pairs, layout.n, batch_size=1), pairs)
+    two = split_totals(teacher_forced_pair_sums(tiny_llama, providers, pairs, layout.n, batch_size=2), pairs)
     for model in providers:
         assert one["test"][model].nll == pytest.approx(two["test"][model].nll, rel=1e-4)
         assert one["test"][model].correct == two["test"][model].correct
+
+
+def test_per_pair_sums_are_in_pair_order_and_add_up(tiny_llama, setup):
+    layout, kv, pairs = setup
+    rev = pairs[::-1]  # batched by length internally: results must come back in the given order
+    fwd = teacher_forced_pair_sums(tiny_llama, {"full": ExactDocState(kv)}, pairs, layout.n, batch_size=2)
+    back = teacher_forced_pair_sums(tiny_llama, {"full": ExactDocState(kv)}, rev, layout.n, batch_size=2)
+    assert list(fwd["full"].n) == [len(p.ids) - p.response_start for p in pairs]
+    assert list(back["full"].n) == list(fwd["full"].n[::-1])
+    assert back["full"].nll[::-1] == pytest.approx(fwd["full"].nll, rel=1e-4)
+
+
+def test_a_system_equal_to_full_has_kl_zero_and_recovers_everything(tiny_llama, setup):
+    layout, kv, pairs = setup
+    more = pairs + [EvalPair(f"q{i}", "qa", ("test",), p.ids, p.response_start) for i, p in enumerate(pairs)]
+    full = ExactDocState(kv)
+    providers = {"full": full, "copy": ExactDocState(kv), "shifted": Shifted(full, 0.3, -1.0), "none": None}
+    sums = teacher_forced_pair_sums(tiny_llama, providers, more, layout.n, batch_size=3)
+    q = split_quality(sums, split="test", resamples=400)
+    for name in ("full", "copy"):
+        assert (q[name].kl_to_full.value, q[name].kl_to_full.low, q[name].kl_to_full.high) == (0, 0, 0)
+        assert (q[name].recovered_kl.value, q[name].recovered_kl.low, q[name].recovered_kl.high) == (1, 1, 1)
+    assert (q["none"].recovered_kl.value, q["none"].recovered_kl.low) == (0, 0)
+    shifted = q["shifted"]
+    assert shifted.kl_to_full.value > 1e-3 and shifted.kl_to_full.low < shifted.kl_to_full.value
+    assert q["copy"].token_acc == q["full"].token_acc  # identical computation, identical estimate
+    cols = shifted.columns()
+    assert cols["kl_ci_low"] <= cols["kl_to_full"] <= cols["kl_ci_high"] and cols["n_pairs"] == 4
+    assert cols["agreement_rouge_l"] is None and cols["n_agreement"] == 0
 
 
 def test_head_errors_are_zero_for_the_exact_state_and_exact_for_a_known_shift(tiny_llama, setup):

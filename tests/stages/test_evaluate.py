@@ -78,6 +78,15 @@ def test_evaluate_writes_every_table_and_the_report_with_fake_partly_garbage_jud
     assert by[("test", "full")].kl_to_full == pytest.approx(0.0, abs=1e-5)
     assert by[("test", "module")].kl_to_full > 0  # the module is not the document
     assert by[("test", "module")].n_tokens == by[("test", "full")].n_tokens > 0
+    # teacher-forced metrics use every test pair (max_samples caps the judged generations), with intervals
+    assert by[("test", "module")].n_pairs == 4 and by[("challenge", "module")].n_pairs == 2
+    for m in metrics:
+        assert m.token_acc_ci_low <= m.token_acc <= m.token_acc_ci_high
+        assert m.kl_ci_low <= m.kl_to_full <= m.kl_ci_high
+        assert m.recovered_kl_ci_low <= m.recovered_kl <= m.recovered_kl_ci_high
+        assert m.n_agreement == m.n_pairs and m.agreement_rouge_l is not None and m.agreement_cosine is not None
+    assert by[("test", "full")].recovered_kl == 1.0 and by[("test", "none")].recovered_kl == 0.0
+    assert by[("test", "full")].agreement_exact == 1.0 and by[("test", "full")].kl_ci_high == pytest.approx(0, abs=1e-6)
     per_layer = read_table(str(out / "per_layer.parquet"), PerLayerRow)
     assert len(per_layer) == 2 * tiny_llama.num_layers * tiny_llama.num_q_heads
     assert all(r.mse_A > 0 for r in per_layer)

@@ -1,0 +1,327 @@
+"""``nectar compare RUN_DIR``: every system at equal bytes, scored on the run's held-out pairs.
+
+  0. data   the run's targets stage through the stage cache: a hit, or redone if stale
+  1. plan   one job per (system, ρ); a trained job resolves to a run directory holding its train
+            stage: the run itself when the settings are the run's, a variant that already trained
+            the same settings (``nectar sweep``, an earlier compare), or a new variant directory
+            ``RUN/sweep/<system>_rho-<ρ>/`` sharing the run's data stages (nectar/sweep.py)
+  2. train  what is missing, through the train stage and its cache (a second compare trains nothing)
+  3. fit    the closed-form baselines (nectar.baselines, seconds)
+  4. score  every provider on every held-out pair in one pass (evaluation/scoring.py: the full and
+            no-document passes and the full model's continuations are shared by all systems), with
+            one paired bootstrap over pairs per split
+  5. write  RUN/compare/comparison.parquet (ComparisonRow), comparison.md, frontier.png, info.json
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..attention.exact import ExactDocState
+from ..evaluation.scoring import score_providers
+from ..evaluation.selection import evaluated_splits, select_pairs
+from ..modules.budget import BudgetError
+from ..modules.builder import ModulePlan, plan_from_config
+from ..orchestration.context import RunContext, StageInputError, load_base, load_run_doc_kv, open_run
+from ..runs import RunDir, now
+from ..schemas.artifacts import ComparisonRow, RunManifest, TargetsPairRow
+from ..schemas.config import PipelineConfig
+from ..schemas.presets import ConfigError
+from ..storage import atomic_write
+from ..tables import ArtifactError, read_json_artifact, read_table, write_table
+from ..targets.store import open_targets
+from .systems import System, resolve, trained_config
+
+ProgressFactory = Callable[[str], Callable[[int, int], None]]
+TrainStage = Callable[[RunContext], Any]  # runs (or finds cached) the train stage of a run context
+
+
+# Pairs per teacher-forced forward and prompts per greedy batch: a decode step on CPU reads every weight
+# once whatever the batch, so wider batches cut the agreement pass (a dozen systems × every prompt).
+SCORE_BATCH, GEN_BATCH = 8, 16
+
+
+class CompareInputError(ValueError):
+    """A run directory, budget or system that ``nectar compare`` can't work with (one line)."""
+
+
+def parse_rhos(text: str | None) -> list[float]:
+    """``"0.02,0.05,0.10"`` → [0.02, 0.05, 0.1]; each a fraction of the document KV bytes in (0, 1)."""
+    if text is None or not text.strip():
+        return []
+    out = []
+    for item in text.split(","):
+        item = item.strip()
+        try:
+            rho = float(item)
+        except ValueError:
+            raise CompareInputError(f"--rho {item!r} is not a number; give budgets as fractions of the document "
+                                    "KV cache, e.g. --rho 0.02,0.05,0.10") from None
+        if not (0 < rho < 1) or math.isnan(rho):
+            raise CompareInputError(f"--rho {item}: ρ is the state's share of the document KV cache bytes and must "
+                                    "lie strictly between 0 and 1 (e.g. 0.05)")
+        out.append(rho)
+    return out
+
+
+@dataclass
+class Job:
+    """One system at one budget (rho None for the reference systems)."""
+
+    system: System
+    rho: float | None
+    config: PipelineConfig | None = None  # trained: the variant's configuration
+    ctx: RunContext | None = None  # trained: the run directory holding its train stage
+
+    @property
+    def key(self) -> str:
+        return self.system.name if self.rho is None else f"{self.system.name}@{self.rho:g}"
+
+
+def check_ready(ctx: RunContext) -> None:
+    """The run's data stages must have completed: compare trains and scores on its targets."""
+    if ctx.stage_run("targets").read_manifest("targets") is None:
+        raise CompareInputError(
+            f"{ctx.run.root} has no completed targets stage; compare reuses the run's data stages (chunk → targets): "
+            f"run `nectar run {ctx.info.source_uri} --run-dir {ctx.run.root}` first")
+
+
+def refresh_targets(ctx: RunContext, stage_runner: Callable[[RunContext, str], Any] | None = None) -> None:
+    """Pass the targets stage (what compare reads) through the stage cache: a hit when it is current
+    with the run's configuration and the code, redone when they changed since (e.g. probe settings),
+    so nothing is trained or scored on stale targets. Stages before it are the run's business."""
+    if ctx.parent is not None:
+        return  # a variant's data stages are its parent's
+    if stage_runner is not None:
+        stage_runner(ctx, "targets")
+    else:
+        from ..orchestration.stages import run_targets
+
+        run_targets(ctx, False)
+
+
+def open_for_compare(run_dir: str, progress: ProgressFactory | None = None) -> RunContext:
+    """Reopen a run for comparison, with one-line errors for a folder that is not a usable run."""
+    run = RunDir(run_dir)
+    if not run.exists("run.json"):
+        raise CompareInputError(f"{run_dir} is not a run directory (no run.json); make one with `nectar run DOC`")
+    try:
+        ctx = open_run(run_dir, progress) if progress else open_run(run_dir)
+    except ArtifactError as exc:
+        raise CompareInputError(f"{run_dir}: {exc}") from None
+    check_ready(ctx)
+    return ctx
+
+
+def _dims(ctx: RunContext) -> dict[str, Any]:
+    _, h = open_targets(ctx.stage_run("targets").url("targets", "targets.zarr"))
+    return dict(num_layers=h.num_layers, num_kv_heads=h.num_kv_heads, head_dim=h.head_dim, n_context=h.n_context,
+                scaling=h.scaling)
+
+
+def baseline_plan(ctx: RunContext, rho: float, dims: dict[str, Any] | None = None) -> ModulePlan:
+    """The run's module plan at ``rho``: what a baseline at the same budget must fit into."""
+    module_cfg = ctx.config.train.module.model_copy(update={"rho": rho})
+    return plan_from_config(module_cfg, **(dims or _dims(ctx)))
+
+
+def validate(ctx: RunContext, systems: list[str] | None = None,
+             rhos: list[float] | None = None) -> tuple[list[System], list[float]]:
+    """The systems and budgets (the run's ρ first), checked before anything is written or trained:
+    unknown systems, and budgets too small to plan a module for this document, are refused."""
+    try:
+        chosen = resolve(systems)
+    except ConfigError as exc:
+        raise CompareInputError(str(exc)) from None
+    budgets = list(dict.fromkeys([ctx.config.train.module.rho, *(rhos or [])]))
+    dims = _dims(ctx)
+    for rho in budgets:
+        try:
+            baseline_plan(ctx, rho, dims)
+        except (BudgetError, ValueError) as exc:
+            raise CompareInputError(f"--rho {rho:g}: {' '.join(str(exc).split())}") from None
+    return chosen, budgets
+
+
+def plan_jobs(ctx: RunContext, systems: list[str] | None = None, rhos: list[float] | None = None) -> list[Job]:
+    """The jobs: references once, every other system at the run's ρ and at each of ``rhos``."""
+    chosen, budgets = validate(ctx, systems, rhos)
+    jobs: list[Job] = []
+    for s in chosen:
+        if s.kind == "reference":
+            jobs.append(Job(s, None))
+            continue
+        for rho in budgets:
+            if s.kind == "trained":
+                config = trained_config(ctx.config, s, rho)
+                jobs.append(Job(s, rho, config, variant_for(ctx, f"{s.name}_rho-{rho:g}", config)))
+            else:
+                jobs.append(Job(s, rho))
+    return jobs
+
+
+def _same_training(a: PipelineConfig, b: PipelineConfig) -> bool:
+    return a.train == b.train and a.model == b.model
+
+
+def variant_for(parent: RunContext, name: str, config: PipelineConfig) -> RunContext:
+    """The run directory whose train stage trains ``config``: the parent itself, an existing variant
+    with the same training settings, or a new variant directory (sharing the parent's data stages)."""
+    from ..sweep import Variant, prepare_variant
+
+    if _same_training(parent.config, config):
+        return parent
+    fs = parent.run.fs
+    for path in sorted(fs.glob(parent.run.local_path("sweep", "*", "run.json"))):
+        root = parent.run.url("sweep", path.rstrip("/").split("/")[-2])
+        try:
+            manifest = read_json_artifact(RunDir(root).url("run.json"), RunManifest)
+            if _same_training(PipelineConfig.model_validate(manifest.config), config):
+                return open_run(root, parent.progress)
+        except (ArtifactError, ValueError, StageInputError):
+            continue  # an unreadable or foreign variant: not reused
+    return prepare_variant(parent, Variant(name, {}, config))
+
+
+def train_missing(jobs: list[Job], train_stage: TrainStage, progress: Callable[[int, int], None] | None = None) -> None:
+    """Run the train stage of every trained job: cached ones return at once."""
+    trained = [j for j in jobs if j.system.kind == "trained"]
+    for i, job in enumerate(trained):
+        train_stage(job.ctx)
+        if progress:
+            progress(i + 1, len(trained))
+
+
+@dataclass
+class Obtained:
+    provider: Any
+    state_bytes: int
+    seconds: float | None  # training (from its manifest) or fitting time
+    arch: str | None
+    source: str
+
+
+def obtain(job: Job, ctx: RunContext, base, doc_kv, dims: dict[str, Any]) -> Obtained:
+    """The provider of one job and the bytes it stores."""
+    s = job.system
+    if s.name == "none":
+        return Obtained(None, 0, None, None, "no document")
+    if s.name == "full":
+        return Obtained(ExactDocState(doc_kv), doc_kv.nbytes(), None, None, "document KV cache")
+    if s.kind == "trained":
+        from ..modules.io import load_module
+        from ..modules.provider import ModuleDocState
+
+        manifest = job.ctx.run.read_manifest("train")
+        if manifest is None:
+            raise CompareInputError(f"{job.key}: its train stage in {job.ctx.run.root} has not completed")
+        module, spec = load_module(job.ctx.run.url("train"), base, ctx.info.sha256, device=base.device)
+        return Obtained(ModuleDocState(module), spec.module_bytes, manifest.duration_s, spec.arch, job.ctx.run.root)
+    from ..baselines import fit_baseline
+
+    t0 = time.perf_counter()
+    provider = fit_baseline(s.baseline, doc_kv, ctx.stage_run("targets").url("targets"),
+                            baseline_plan(ctx, job.rho, dims), seed=ctx.config.train.seed)
+    seconds = time.perf_counter() - t0
+    return Obtained(provider, int(provider.nbytes), seconds, s.baseline, f"fit_baseline({s.baseline!r})")
+
+
+@dataclass
+class CompareResult:
+    rows: list[ComparisonRow]
+    files: list[str]
+    timings: dict[str, float] = field(default_factory=dict)
+    markdown: str = ""
+
+
+def score_and_write(ctx: RunContext, jobs: list[Job], progress: ProgressFactory | None = None,
+                    timings: dict[str, float] | None = None) -> CompareResult:
+    """Steps 3–5: fit the baselines, score every job's provider on the held-out pairs, write the outputs."""
+    from ..layout import build_layout
+
+    bar = progress or (lambda name: (lambda d, t: None))
+    timings = dict(timings or {})
+    cfg = ctx.config.evaluate
+    base = load_base(ctx.config)
+    layout = build_layout(base.tokenizer, ctx.text)
+    doc_kv = load_run_doc_kv(ctx)
+    dims = _dims(ctx)
+    t0 = time.perf_counter()
+    fit_bar = bar("compare:fit")
+    obtained: dict[str, Obtained] = {}
+    for i, job in enumerate(jobs):
+        obtained[job.key] = obtain(job, ctx, base, doc_kv, dims)
+        fit_bar(i + 1, len(jobs))
+    timings["load_and_fit_s"] = time.perf_counter() - t0
+    targets = ctx.stage_run("targets").url("targets")
+    g, _ = open_targets(f"{targets}/targets.zarr")
+    target_rows = read_table(f"{targets}/pairs.parquet", TargetsPairRow)
+    sel = select_pairs(target_rows, g["token_ids"][:], cfg, evaluated_splits(target_rows, cfg))
+    providers = {"full": obtained["full"].provider if "full" in obtained else ExactDocState(doc_kv), "none": None,
+                 **{k: o.provider for k, o in obtained.items() if k not in ("full", "none")}}
+    bars: dict[str, Callable[[int, int], None]] = {}
+
+    def step(name: str, done: int, total: int) -> None:
+        if name not in bars:
+            bars[name] = bar(f"compare:{name}")
+        bars[name](done, total)
+
+    _, quality = score_providers(base, layout.n, providers, sel, cfg, SCORE_BATCH, GEN_BATCH, step, timings)
+    rows = comparison_rows(jobs, obtained, quality)
+    timings["total_s"] = sum(v for k, v in timings.items() if k != "total_s")
+    facts = {"run": ctx.run.root, "document": ctx.info.source_uri, "model": base.name, "n": layout.n,
+             "kv_bytes": doc_kv.nbytes(), "created_at": now()}
+    return write_outputs(ctx.run, rows, facts, timings)
+
+
+def comparison_rows(jobs: list[Job], obtained: dict[str, Obtained], quality) -> list[ComparisonRow]:
+    rows = []
+    for split, by_system in quality.items():
+        for job in jobs:
+            o = obtained[job.key]
+            cols = by_system[job.key].columns()
+            rows.append(ComparisonRow(
+                system=job.system.name, kind=job.system.kind, regime=job.system.regime, arch=o.arch, rho=job.rho,
+                state_bytes=o.state_bytes, split=split, train_seconds=o.seconds, source=o.source,
+                **{k: v for k, v in cols.items() if k in ComparisonRow.model_fields}))
+    return rows
+
+
+def write_outputs(run: RunDir, rows: list[ComparisonRow], facts: dict[str, Any],
+                  timings: dict[str, float]) -> CompareResult:
+    from ..evaluation.plots import frontier
+    from .table import comparison_markdown
+
+    out = run.makedirs("compare")
+    write_table(f"{out}/comparison.parquet", rows, ComparisonRow)
+    data = [r.model_dump(exclude={"schema_version"}) for r in rows]
+    png = frontier(data)
+    files = ["comparison.parquet", "comparison.md", "info.json"]
+    if png is not None:
+        atomic_write(f"{out}/frontier.png", png)
+        files.append("frontier.png")
+    md = comparison_markdown(data, facts, "frontier.png" if png is not None else None)
+    atomic_write(f"{out}/comparison.md", md)
+    info = {**facts, "timings_s": {k: round(v, 2) for k, v in timings.items()},
+            "systems": list(dict.fromkeys(r.system for r in rows)),
+            "rhos": sorted({r.rho for r in rows if r.rho is not None}),
+            "splits": {s: next(r.n_pairs for r in rows if r.split == s) for s in dict.fromkeys(r.split for r in rows)}}
+    atomic_write(f"{out}/info.json", json.dumps(info, indent=1, default=str))
+    return CompareResult(rows, files, info["timings_s"], md)
+
+
+def compare(ctx: RunContext, systems: list[str] | None = None, rhos: list[float] | None = None,
+            train_stage: TrainStage | None = None, progress: ProgressFactory | None = None) -> CompareResult:
+    """Plan, train what is missing, score and write (the Prefect flow runs the same steps with the
+    train stage as a subflow)."""
+    from ..orchestration.stages import run_train
+
+    check_ready(ctx)
+    refresh_targets(ctx)
+    jobs = plan_jobs(ctx, systems, rhos)
+    t0 = time.perf_counter()
+    train_missing(jobs, train_stage or run_train, progress("compare:train") if progress else None)
+    return score_and_write(ctx, jobs, progress, {"train_s": time.perf_counter() - t0})

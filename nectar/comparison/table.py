@@ -1,0 +1,82 @@
+"""The comparison as markdown: one table per split, every figure with its 95 % interval."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from ..evaluation.report import fmt_interval
+
+HOW_TO_READ = """\
+How to read it. Every system stands in for the document in the same base model, at the bytes in the
+`bytes` column (× = how many times smaller than the document's KV cache); trained and baseline systems
+at the same ρ store the same budget. **KL to full** is KL(full-context model ‖ system) per response
+token, teacher forced (nats; lower is better); **KL recovered** = 1 − KL_system / KL_none is the share of
+the document's effect on the next-token distribution the system keeps (none 0 %, full 100 %; it can go
+below 0 when a system misleads the model more than having no document). **ROUGE-L / exact / cosine**
+compare the system's greedy continuation of each prompt with the full-context model's. Brackets are 95 %
+paired bootstrap intervals over pairs (all systems resampled on the same pairs): two systems whose
+intervals don't overlap differ on this split; overlapping intervals can still differ (the paired
+difference is tighter than either interval). `train s` is the training time of a trained system (from
+its train stage, cached runs included) or the fit time of a closed-form baseline.
+"""
+
+SPLIT_ORDER = {"test": 0, "challenge": 1, "probes": 2}
+
+
+def _bytes(n: int, kv: int | None) -> str:
+    if n == 0:
+        return "0"
+    ratio = f" ({kv / n:.1f}×)" if kv else ""
+    return f"{n / 1e6:.2f} MB{ratio}"
+
+
+def _pct(row: dict[str, Any], key: str, prefix: str) -> str:
+    v, lo, hi = row.get(key), row.get(f"{prefix}_ci_low"), row.get(f"{prefix}_ci_high")
+    if v is None:
+        return "–"
+    if lo is None or hi is None:
+        return f"{100 * v:.1f}"
+    return f"{100 * v:.1f} [{100 * lo:.1f}, {100 * hi:.1f}]"
+
+
+def _ci(row: dict[str, Any], key: str, prefix: str) -> str:
+    return fmt_interval(row.get(key), row.get(f"{prefix}_ci_low"), row.get(f"{prefix}_ci_high"))
+
+
+def sort_key(row: dict[str, Any]) -> tuple:
+    ref = {"none": 0, "full": 1}.get(row["system"], 2)
+    rec = row.get("recovered_kl")
+    return (ref, row.get("rho") or 0.0, -(rec if rec is not None else float("-inf")))
+
+
+def split_table(rows: Sequence[dict[str, Any]], kv_bytes: int | None) -> str:
+    head = ("system", "kind", "ρ", "bytes", "KL to full [95% CI]", "KL recovered, % [95% CI]",
+            "token acc, % [95% CI]", "cross-entropy [95% CI]", "ROUGE-L vs full [95% CI]", "exact", "cosine",
+            "train s")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in sorted(rows, key=sort_key):
+        cells = (r["system"], r["kind"], "–" if r.get("rho") is None else f"{r['rho']:g}",
+                 _bytes(r["state_bytes"], kv_bytes), _ci(r, "kl_to_full", "kl"),
+                 _pct(r, "recovered_kl", "recovered_kl"),
+                 _pct(r, "token_acc", "token_acc"), _ci(r, "cross_entropy", "cross_entropy"),
+                 _ci(r, "agreement_rouge_l", "agreement_rouge_l"),
+                 "–" if r.get("agreement_exact") is None else f"{100 * r['agreement_exact']:.0f} %",
+                 "–" if r.get("agreement_cosine") is None else f"{r['agreement_cosine']:.3f}",
+                 "–" if r.get("train_seconds") is None else f"{r['train_seconds']:.0f}")
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def comparison_markdown(rows: Sequence[dict[str, Any]], facts: dict[str, Any], figure: str | None = None) -> str:
+    kv = facts.get("kv_bytes")
+    md = ["# Equal-bytes comparison\n",
+          " · ".join(f"**{k}** {v}" for k, v in facts.items() if k != "kv_bytes")
+          + (f" · **document KV cache** {kv / 1e6:.2f} MB" if kv else "") + "\n", HOW_TO_READ]
+    for split in sorted({r["split"] for r in rows}, key=lambda s: (SPLIT_ORDER.get(s, 9), s)):
+        sel = [r for r in rows if r["split"] == split]
+        first = sel[0]
+        agree = f"; agreement on {first['n_agreement']} prompts" if first.get("n_agreement") else ""
+        md.append(f"## {split}: {first['n_pairs']} pairs, {first['n_tokens']} response tokens{agree}\n")
+        md.append(split_table(sel, kv))
+    if figure:
+        md.append(f"![KL recovered vs bytes]({figure})\n")
+    return "\n".join(md)

@@ -1,0 +1,157 @@
+"""``nectar compare`` end to end on the tiny model: a run with targets (verified dataset written by
+hand, as in tests/pipeline/test_orchestration_tail.py), every system trained or fitted, scored with
+paired intervals, written, and a second compare that trains nothing."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from nectar import comparison, orchestration
+from nectar.comparison.systems import SYSTEMS, System, baselines_available
+from nectar.runs import run_stage
+from nectar.schemas import ComparisonRow, DatasetRow, load_config
+from nectar.schemas.presets import PRESET_REGIMES
+from nectar.tables import read_table, write_table
+
+QA = [("Who bought the island?", "Captain Ilse Brandt bought Varn Island."),
+      ("What ran aground?", "The schooner Meridian ran aground on the northern reef."),
+      ("What was the cargo?", "Salt cod and barrels of lamp oil."),
+      ("How many sailors were saved?", "Seven sailors were rowed ashore."),
+      ("When did the Meridian run aground?", "In the winter of 1871."),
+      ("Who kept a ledger?", "The lighthouse keeper of Varn Island."),
+      ("Where is the reef?", "North of Varn Island."),
+      ("What did the keeper do?", "He rowed out twice to rescue the sailors."),
+      ("What did the captain buy?", "The whole of Varn Island."),
+      ("What did the keeper write down?", "Every ship that passed the island.")]
+TRAINED = ["regression", "mixed", "distill", "cartridges"]
+BASELINES = ["truncate", "evict", "attention_matching"]
+
+
+def _write_verified(ctx):
+    rows = [DatasetRow(pair_id=f"p{i}", chunk_id=0, task="qa", instruction=q, response=a, full_answer=a,
+                       judge_raw="{}", is_consistent=True, confidence=0.9, reasoning="", verdict="consistent",
+                       kept=True, split="train" if i < 6 else "test", challenge=i >= 8)
+            for i, (q, a) in enumerate(QA)]
+
+    def body(url):
+        write_table(f"{url}/dataset.parquet", rows, DatasetRow)
+        return ["dataset.parquet"], {"kept": len(rows)}
+
+    run_stage(ctx.run, "verify", {"hand": "written"}, {}, body)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    from sample_document import DOC
+
+    # A few distillation steps per KL regime (pairs through the whole model) keep each training seconds;
+    # the tiny preset's own 800-pair budget is minutes per regime on two cores.
+    mp = pytest.MonkeyPatch()
+    mp.setitem(PRESET_REGIMES, "tiny", {r: {"train": {"samples": 48, "batch_size": 8}}
+                                        for r in ("mixed", "distill", "cartridges")})
+    root = tmp_path_factory.mktemp("cmp")
+    (root / "doc.txt").write_text(DOC)
+    config = load_config("tiny", overrides=["evaluate.bootstrap_resamples=300", "evaluate.agreement_new_tokens=6"])
+    ctx = orchestration.prepare_run(str(root / "doc.txt"), config, str(root / "run"))
+    orchestration.run_chunk(ctx)
+    _write_verified(ctx)
+    orchestration.run_targets(ctx)
+    yield ctx
+    mp.undo()
+
+
+@pytest.fixture
+def extra_system():
+    """A system added the way the registry says: one entry (a quadrature module under regression)."""
+    s = comparison.register(System("quad_regression", "trained", "quadrature under regression",
+                                   regime="regression", overlay={"train": {"module": {"arch": "quadrature"}}}))
+    yield s
+    del SYSTEMS[s.name]
+
+
+@pytest.mark.slow
+def test_compare_writes_every_system_and_split_and_reuses_training(tiny_run, extra_system):
+    ctx = tiny_run
+    systems = ["none", "full", *TRAINED, "quad_regression"] + (BASELINES if baselines_available() else [])
+    trained = []
+    res = comparison.compare(ctx, systems, rhos=[0.1],
+                             train_stage=lambda v: trained.append(orchestration.run_train(v).status))
+    rows = read_table(ctx.run.url("compare", "comparison.parquet"), ComparisonRow)
+    assert rows == res.rows
+    rhos = [ctx.config.train.module.rho, 0.1]
+    splits = ("test", "challenge", "probes")  # probes: the held-out document probes the targets cached
+    keys = {(r.system, r.rho, r.split) for r in rows}
+    want = {(s, None, sp) for s in ("none", "full") for sp in splits}
+    want |= {(s, rho, sp) for s in systems[2:] for rho in rhos for sp in splits}
+    assert keys == want and len(rows) == len(want)
+    by = {(r.system, r.rho, r.split): r for r in rows}
+    for split in splits:
+        none, full = by[("none", None, split)], by[("full", None, split)]
+        assert none.recovered_kl == 0.0 and full.recovered_kl == 1.0 and full.kl_to_full == 0.0
+        assert (full.recovered_kl_ci_low, full.recovered_kl_ci_high) == (1.0, 1.0)
+        assert full.agreement_exact == 1.0 and full.state_bytes > 0 and none.state_bytes == 0
+    assert by[("none", None, "test")].n_pairs == 4 and by[("none", None, "challenge")].n_pairs == 2
+    assert by[("none", None, "probes")].n_pairs >= 2
+    for r in rows:
+        for metric, prefix in (("kl_to_full", "kl"), ("recovered_kl", "recovered_kl"), ("token_acc", "token_acc"),
+                               ("cross_entropy", "cross_entropy"), ("agreement_rouge_l", "agreement_rouge_l")):
+            v, lo, hi = getattr(r, metric), getattr(r, f"{prefix}_ci_low"), getattr(r, f"{prefix}_ci_high")
+            assert lo - 1e-9 <= v <= hi + 1e-9, (r.system, r.rho, r.split, metric)
+        assert r.n_tokens == by[("none", None, r.split)].n_tokens  # every system scored on the same tokens
+    # equal bytes per budget: trained modules and baselines at a ρ store about the same
+    for rho in rhos:
+        sizes = [by[(s, rho, "test")].state_bytes for s in systems[2:]]
+        assert max(sizes) < 1.5 * min(sizes) and max(sizes) < by[("full", None, "test")].state_bytes
+        assert all(by[(s, rho, "test")].train_seconds > 0 for s in systems[2:])
+    assert by[("quad_regression", 0.1, "test")].arch == "quadrature" and by[("mixed", 0.1, "test")].regime == "mixed"
+    # the run's own regime (regression) at its own ρ is the run's module: trained in the run itself
+    assert by[("regression", rhos[0], "test")].source == ctx.run.root
+    assert "done" in trained
+    md = (ctx.run.local_path("compare", "comparison.md"))
+    text = open(md).read()
+    assert "## test: 4 pairs" in text and "| full | reference | – |" in text and "frontier.png" in text
+    assert open(ctx.run.local_path("compare", "frontier.png"), "rb").read()[:4] == b"\x89PNG"
+    # a second compare trains nothing: every train stage is a cache hit
+    again = []
+    comparison.train_missing(comparison.plan_jobs(ctx, ["none", "full", "mixed"], [0.1]),
+                             lambda v: again.append(orchestration.run_train(v).status))
+    assert again == ["cached", "cached"]
+
+
+@pytest.mark.slow
+def test_cli_compare_through_prefect_with_progress_and_status(tiny_run, tmp_path):
+    env = dict(os.environ, PREFECT_HOME=str(tmp_path / "prefect"), PYTHONPATH=os.pathsep.join(sys.path))
+    env.pop("PREFECT_API_URL", None)
+    cli = [sys.executable, "-m", "nectar.pipeline.cli"]
+    run_dir = tiny_run.run.root
+    bad = subprocess.run([*cli, "compare", run_dir, "--rho", "0,5"], capture_output=True, text=True, env=env)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--rho 0:" in bad.stderr
+    # the run's own regime at its own ρ (its train stage) and a closed-form baseline
+    res = subprocess.run([*cli, "compare", run_dir, "--systems", "none,full,regression,truncate"],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "compare:teacher_forced" in res.stderr and "compare:agreement" in res.stderr  # progress bars
+    assert "| regression | trained |" in res.stdout and "| truncate | baseline |" in res.stdout
+    assert res.stdout.strip().endswith("compare/comparison.md")
+    status = subprocess.run([*cli, "status", run_dir], capture_output=True, text=True, env=env)
+    assert "comparison: " in status.stdout and "4 systems" in status.stdout
+
+
+def test_bad_inputs_are_one_line_errors(tiny_run, tmp_path):
+    with pytest.raises(comparison.CompareInputError, match="strictly between 0 and 1"):
+        comparison.parse_rhos("0.05,1.5")
+    with pytest.raises(comparison.CompareInputError, match="not a number"):
+        comparison.parse_rhos("0.05,abc")
+    assert comparison.parse_rhos("0.02, 0.05,0.10") == [0.02, 0.05, 0.1]
+    with pytest.raises(comparison.CompareInputError, match="unknown system 'nope'; the systems are none, full"):
+        comparison.plan_jobs(tiny_run, ["none", "nope"])
+    with pytest.raises(comparison.CompareInputError, match="not a run directory"):
+        comparison.open_for_compare(str(tmp_path))
+    fresh = orchestration.prepare_run(tiny_run.info.source_uri, tiny_run.config, str(tmp_path / "fresh"))
+    with pytest.raises(comparison.CompareInputError, match="no completed targets stage.*nectar run"):
+        comparison.open_for_compare(fresh.run.root)
+    with pytest.raises(comparison.CompareInputError, match="--rho 1e-06"):
+        comparison.plan_jobs(tiny_run, ["regression"], [1e-6])
+    jobs = comparison.plan_jobs(tiny_run, ["none", "full"], [0.1, 0.2])
+    assert [(j.key, j.rho) for j in jobs] == [("none", None), ("full", None)]  # references once, at no ρ

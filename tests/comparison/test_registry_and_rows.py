@@ -1,0 +1,79 @@
+"""The system registry, trained systems' configurations, and the comparison row schema."""
+import pytest
+
+from nectar.baselines import BASELINES
+from nectar.comparison import SYSTEMS, System, register, resolve, trained_config
+from nectar.schemas import ComparisonRow, ConfigError, load_config
+from nectar.tables import ArtifactError, read_table, write_table
+
+
+def test_registry_holds_the_issue_systems_once_each():
+    assert list(SYSTEMS) == ["none", "full", "regression", "mixed", "distill", "cartridges", "truncate", "evict",
+                             "attention_matching"]
+    assert {s.name for s in SYSTEMS.values() if s.kind == "reference"} == {"none", "full"}
+    for s in SYSTEMS.values():
+        if s.kind == "trained":
+            assert s.regime == s.name
+        if s.kind == "baseline":
+            assert s.baseline in BASELINES  # a name fit_baseline accepts
+    assert [s.name for s in resolve(None)] == list(SYSTEMS)  # this checkout has the baselines
+    assert [s.name for s in resolve(["evict", "none"])] == ["none", "evict"]  # registry order
+    with pytest.raises(ConfigError, match="unknown system 'x'"):
+        resolve(["x"])
+    with pytest.raises(ValueError, match="already registered"):
+        register(System("none", "reference", "again"))
+    with pytest.raises(ValueError, match="needs a regime or an overlay"):
+        System("bare", "trained", "no settings")
+    with pytest.raises(ValueError, match="unknown regime"):
+        System("typo", "trained", "", regime="regresion")
+    with pytest.raises(ValueError, match="needs the name of its fit"):
+        System("b", "baseline", "")
+
+
+def test_a_trained_system_is_the_preset_regime_whatever_the_run_used():
+    mixed_run = load_config("cpu", regime="mixed")
+    reg = trained_config(mixed_run, SYSTEMS["regression"], 0.05)
+    default = load_config("cpu")  # the cpu preset's own regression
+    assert reg.train == default.train  # not the mixed run's 240-pair budget and lr
+    assert trained_config(mixed_run, SYSTEMS["mixed"], 0.05).train == mixed_run.train
+    cart = trained_config(default, SYSTEMS["cartridges"], 0.02)
+    assert cart.train.module.arch == "quadrature" and cart.train.module.rho == 0.02
+    assert cart.train.lambda_kl == 1.0 and cart.train.samples == 240
+    assert cart.evaluate == default.evaluate and cart.targets == default.targets  # only training differs
+    # settings no regime touches stay the run's
+    deep = load_config("cpu", overrides=["train.module.depths=[0,2,2]", "train.seed=3"])
+    d = trained_config(deep, SYSTEMS["distill"], 0.05).train
+    assert d.module.depths == (0, 2, 2) and d.seed == 3 and d.lambda_alpha == 0.0
+    with pytest.raises(ValueError, match="not trained"):
+        trained_config(default, SYSTEMS["evict"], 0.05)
+
+
+def test_one_entry_adds_a_system_and_its_settings_are_reset_for_the_others():
+    s = register(System("wide", "trained", "a wider score head", regime="regression",
+                        overlay={"train": {"module": {"score_fraction": 0.3}}}))
+    try:
+        base = load_config("cpu")
+        assert trained_config(base, s, 0.05).train.module.score_fraction == 0.3
+        # a run made with that setting does not leak it into the other systems
+        wide_run = load_config("cpu", overrides=["train.module.score_fraction=0.3"])
+        assert trained_config(wide_run, SYSTEMS["regression"], 0.05).train.module.score_fraction == 0.1
+        assert "wide" in [x.name for x in resolve(None)]
+    finally:
+        del SYSTEMS["wide"]
+
+
+def test_comparison_rows_round_trip_and_validate(tmp_path):
+    row = ComparisonRow(system="evict", kind="baseline", rho=0.05, state_bytes=3_500_000, split="probes",
+                        n_pairs=51, n_tokens=1445, kl_to_full=0.4, kl_ci_low=0.35, kl_ci_high=0.46,
+                        recovered_kl=0.17, recovered_kl_ci_low=0.14, recovered_kl_ci_high=0.2, token_acc=0.5,
+                        token_acc_ci_low=0.45, token_acc_ci_high=0.55, agreement_rouge_l=0.3, train_seconds=2.5)
+    ref = ComparisonRow(system="none", kind="reference", state_bytes=0, split="probes", n_pairs=51, n_tokens=1445,
+                        kl_to_full=2.1, recovered_kl=0.0)
+    url = str(tmp_path / "comparison.parquet")
+    write_table(url, [row, ref], ComparisonRow)
+    back = read_table(url, ComparisonRow)
+    assert back == [row, ref] and back[1].rho is None and back[1].agreement_rouge_l is None
+    with pytest.raises(ArtifactError, match="kind"):
+        write_table(url, [{**row.model_dump(), "kind": "magic"}], ComparisonRow)
+    with pytest.raises(Exception, match="system"):
+        ComparisonRow(kind="baseline", state_bytes=1, split="test", n_pairs=1, n_tokens=1, kl_to_full=0.1)
