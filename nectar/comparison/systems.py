@@ -10,11 +10,10 @@
              ``nectar.baselines.fit_baseline(name, doc_kv, targets_url, plan, seed)``, sized to the
              bytes of the module plan at the same ρ.
 
-Adding a system is adding one entry, e.g. a quadrature-with-bias module initialised by Attention
-Matching and refined by the mixed loss:
+Adding a system is adding one entry, e.g. the matching module refined by the mixed loss instead:
 
-    register(System("am_refined", "trained", "AM init, refined by L_reg + L_KL", regime="mixed",
-                    overlay={"train": {"module": {"arch": "quadrature_bias"}}}))
+    register(System("matching_mixed", "trained", "AM init, refined by L_reg + L_KL", regime="matching",
+                    overlay={"train": {"lambda_kl": 2.0}}))
 """
 from __future__ import annotations
 
@@ -63,6 +62,8 @@ for _s in (
     System("distill", "trained", "NECTAR MLP, distillation only (KL)", regime="distill"),
     System("cartridges", "trained", "quadrature (document-initialised keys/values) + KL, the paper's baseline",
            regime="cartridges"),
+    System("matching", "trained", "quadrature + log-mass bias initialised by Attention Matching, refined by "
+           "regression on the captured targets", regime="matching"),
     System("truncate", "baseline", "exact KV of a ρ·n-token part of the document", baseline="truncate"),
     System("evict", "baseline", "exact KV of the ρ·n most-attended tokens per KV head", baseline="evict"),
     System("attention_matching", "baseline", "the evicted keys with fitted log-mass biases and "

@@ -57,7 +57,7 @@ def run(
                    "run, the run's)."),
     preset: str = typer.Option("cpu", help="tiny | cpu | paper"),
     config: Optional[str] = typer.Option(None, "--config", help="YAML file of overrides."),
-    regime: Optional[str] = typer.Option(None, help="regression | mixed | distill | cartridges"),
+    regime: Optional[str] = typer.Option(None, help="regression | mixed | distill | cartridges | matching"),
     set_: list[str] = typer.Option([], "--set", help="Override, e.g. --set train.module.rho=0.05"),
     run_dir: Optional[str] = typer.Option(None, "--run-dir", help="Run directory (default runs/<doc-id>/<run-id>)."),
     from_stage: Optional[str] = typer.Option(None, "--from", help="Re-run this stage and everything after it."),
@@ -143,9 +143,9 @@ def compare(
     run_dir: str = typer.Argument(..., help="A run directory whose data stages (chunk → targets) completed."),
     rho: Optional[str] = typer.Option(None, "--rho", help="Further budgets, e.g. 0.02,0.05,0.10 (the run's ρ is "
                                                           "always compared)."),
-    systems: Optional[str] = typer.Option(None, "--systems", help="Comma-separated subset (default: every system: "
-                                                                  "none, full, regression, mixed, distill, cartridges, "
-                                                                  "truncate, evict, attention_matching)."),
+    systems: Optional[str] = typer.Option(
+        None, "--systems", help="Comma-separated subset (default: every system: none, full, regression, mixed, "
+                                "distill, cartridges, matching, truncate, evict, attention_matching)."),
 ) -> None:
     """Every system at equal bytes on the run's held-out pairs: trains what is missing, writes
     RUN_DIR/compare/comparison.{parquet,md} and frontier.png."""

@@ -8,8 +8,8 @@ from nectar.tables import ArtifactError, read_table, write_table
 
 
 def test_registry_holds_the_issue_systems_once_each():
-    assert list(SYSTEMS) == ["none", "full", "regression", "mixed", "distill", "cartridges", "truncate", "evict",
-                             "attention_matching"]
+    assert list(SYSTEMS) == ["none", "full", "regression", "mixed", "distill", "cartridges", "matching", "truncate",
+                             "evict", "attention_matching"]
     assert {s.name for s in SYSTEMS.values() if s.kind == "reference"} == {"none", "full"}
     for s in SYSTEMS.values():
         if s.kind == "trained":
@@ -33,8 +33,9 @@ def test_registry_holds_the_issue_systems_once_each():
 def test_a_trained_system_is_the_preset_regime_whatever_the_run_used():
     mixed_run = load_config("cpu", regime="mixed")
     reg = trained_config(mixed_run, SYSTEMS["regression"], 0.05)
-    default = load_config("cpu")  # the cpu preset's own regression
-    assert reg.train == default.train  # not the mixed run's 240-pair budget and lr
+    assert reg.train == load_config("cpu", regime="regression").train  # not the mixed run's 240-pair budget and lr
+    default = load_config("cpu")  # the cpu preset's default: matching
+    assert trained_config(mixed_run, SYSTEMS["matching"], 0.05).train == default.train
     assert trained_config(mixed_run, SYSTEMS["mixed"], 0.05).train == mixed_run.train
     cart = trained_config(default, SYSTEMS["cartridges"], 0.02)
     assert cart.train.module.arch == "quadrature" and cart.train.module.rho == 0.02

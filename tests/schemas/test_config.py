@@ -293,6 +293,21 @@ def test_cpu_distillation_regimes_get_their_own_budget(regime):
     assert cfg.train.module.arch == "mlp"
 
 
+@pytest.mark.parametrize("regime", ["regression", "mixed", "distill"])
+def test_the_mlp_regimes_train_an_mlp_whatever_the_preset_default(regime):
+    cfg = load_config("cpu", regime=regime, overrides=["train.module.arch=quadrature", "train.module.bias=true"])
+    assert cfg.train.module.arch == "quadrature"  # an explicit override still wins
+    cfg = load_config("cpu", regime=regime)
+    assert (cfg.train.module.arch, cfg.train.module.bias, cfg.train.module.init) == ("mlp", False, "first")
+
+
+def test_matching_regime_refines_attention_matching_by_regression():
+    cfg = load_config("tiny", regime="matching")
+    m = cfg.train.module
+    assert (m.arch, m.bias, m.init) == ("quadrature", True, "attention_matching")
+    assert cfg.train.lambda_kl == 0.0 and cfg.train.peak_lr == pytest.approx(1e-3)
+
+
 def test_cpu_regression_regime_keeps_the_token_budget():
     cfg = load_config("cpu", regime="regression")
     assert (cfg.train.samples, cfg.train.batch_size) == (60_000, 64)
@@ -315,7 +330,7 @@ def test_overrides_beat_the_preset_regime_budget():
 def test_regime_overlay_merges_preset_budget_over_the_regime():
     assert regime_overlay("tiny", "cartridges") == REGIMES["cartridges"]  # no tiny-specific budget
     cpu = regime_overlay("cpu", "cartridges")
-    assert cpu["train"]["module"] == {"arch": "quadrature"}
+    assert cpu["train"]["module"] == {"arch": "quadrature", "bias": False, "init": "first"}
     assert cpu["train"]["samples"] == 240 and cpu["train"]["lambda_kl"] == 1.0
     # the cpu budget did not leak into the shared regime table
     assert "samples" not in REGIMES["cartridges"]["train"]
