@@ -84,7 +84,7 @@ def random_model(name: str, dtype: str, device: str, window: int):
     model.requires_grad_(False)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
-    return BaseModel(model=model, tokenizer=tok, name=name, weights_hash=_weights_fingerprint(model, name),
+    return BaseModel(model=model, tokenizer=tok, name=name, weights_hash=_weights_fingerprint(model),
                      num_layers=config.num_hidden_layers, num_q_heads=config.num_attention_heads,
                      num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
                      max_context_tokens=config.max_position_embeddings)

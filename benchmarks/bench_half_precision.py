@@ -37,7 +37,7 @@ from bench_targets import synthetic_pairs  # noqa: E402
 from nectar.attention.doc_kv import prefill_document  # noqa: E402
 from nectar.attention.exact import ExactDocState  # noqa: E402
 from nectar.documents import load_document  # noqa: E402
-from nectar.evaluation.teacher import EvalPair, teacher_forced_sums  # noqa: E402
+from nectar.evaluation.teacher import EvalPair, teacher_forced_pair_sums  # noqa: E402
 from nectar.layout import build_layout  # noqa: E402
 from nectar.models import load_base_model  # noqa: E402
 from nectar.modules.io import load_module  # noqa: E402
@@ -57,7 +57,6 @@ def held_out_pairs(targets: Path) -> list[EvalPair]:
     g, _ = open_targets(str(targets / "targets.zarr"))
     ids = g["token_ids"][:]
     rows = [r for r in read_table(str(targets / "pairs.parquet"), TargetsPairRow) if r.split == "test"]
-    # each pair is its own "split", so teacher_forced_sums hands back per-pair sums
     return [EvalPair(r.pair_id, r.task, (r.pair_id,), tuple(int(t) for t in ids[r.start:r.start + r.length]),
                      r.response_start, r.start) for r in rows if r.response_start < r.length]
 
@@ -125,9 +124,9 @@ def main() -> int:
         pairs = held_out_pairs(work / "float32")
         providers = {d: ModuleDocState(m) for d, m in modules.items()}
         providers.update(full=ExactDocState(kv), none=None)
-        sums = teacher_forced_sums(base, providers, pairs, layout.n, batch_size=4)
-    kl = {name: np.array([sums[p.pair_id][name].kl for p in pairs]) for name in (*DTYPES, "none")}
-    n = np.array([sums[p.pair_id]["full"].n for p in pairs])
+        sums = teacher_forced_pair_sums(base, providers, pairs, layout.n, batch_size=4)  # {model: PairSums}
+    kl = {name: sums[name].kl for name in (*DTYPES, "none")}  # [P] per-pair sums, in the order of pairs
+    n = sums["full"].n
     print(f"\nbench_half_precision: embedded:smollm2-135m, {args.document} (n = {layout.n}), {counts['pairs']} synthetic "
           f"pairs ({counts['tokens']} query tokens), regression module rho={cfg.module.rho} trained on {args.samples} "
           f"query tokens (batch {cfg.batch_size}, seed {cfg.seed}) per storage; held out: {len(pairs)} pairs, "

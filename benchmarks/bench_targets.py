@@ -111,7 +111,7 @@ def random_smollm2(dtype: str, device: str, window: int):
     model.requires_grad_(False)
     tok = AutoTokenizer.from_pretrained(path)
     return BaseModel(model=model, tokenizer=tok, name="random:smollm2",
-                     weights_hash=_weights_fingerprint(model, "random:smollm2"),
+                     weights_hash=_weights_fingerprint(model),  # random weights: every tensor hashed
                      num_layers=config.num_hidden_layers, num_q_heads=config.num_attention_heads,
                      num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
                      max_context_tokens=config.max_position_embeddings)
