@@ -28,6 +28,17 @@ QUESTIONS = ["Who bought the island?", "What cargo did the Meridian carry in the
 LOGIT_ATOL = 1e-4  # float32 tiny models: query-only vs full forward, and batched vs alone
 
 
+def _clear_steps(logits, margin: float = 10 * LOGIT_ATOL) -> int:
+    """Leading decode steps whose top-2 logit margin is clear of float noise: up to there two exact
+    computations must pick the same greedy tokens; at a near-tie another summation order (another
+    processor, batch shape or kernel) may flip the argmax, and everything after it legitimately differs."""
+    for step, row in enumerate(logits):
+        top2 = row.float().topk(2).values
+        if (top2[0] - top2[1]).item() < margin:
+            return step
+    return len(logits)
+
+
 def _setup(base, document):
     layout = build_layout(base.tokenizer, document)
     kv = prefill_document(base, layout.context_ids)
@@ -69,9 +80,12 @@ def test_engine_greedy_equals_hf_generate_over_document_and_prompt(fixture, requ
     ours = generate(base, ExactDocState(kv), layout.n, prompts, 10, stop_ids=())
     for p, toks in zip(prompts, ours.tokens):
         ids = torch.tensor([list(layout.context_ids) + p])
-        ref = base.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,
-                                  eos_token_id=None)[0, ids.shape[1]:]
-        assert toks == ref.tolist()
+        out = base.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,
+                                  eos_token_id=None, output_logits=True, return_dict_in_generate=True)
+        ref = out.sequences[0, ids.shape[1]:].tolist()
+        clear = _clear_steps([x[0] for x in out.logits])
+        assert clear >= 3, f"only {clear} steps with a clear top-2 margin: the check would say nothing"
+        assert toks[:clear] == ref[:clear]
 
 
 def _dynamic_cache_greedy(base, provider, n, prompt, new_tokens):
@@ -82,27 +96,30 @@ def _dynamic_cache_greedy(base, provider, n, prompt, new_tokens):
     cache = DynamicCache(config=base.model.config)
     ids = torch.tensor([prompt])
     pos = n + torch.arange(len(prompt)).unsqueeze(0)
-    out = []
+    out, seen = [], []
     with torch.no_grad(), nectar_attention(base.model, provider):
         logits = base.model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True).logits[:, -1]
         for step in range(new_tokens):
+            seen.append(logits[0].clone())
             tok = int(logits.argmax(-1))
             out.append(tok)
             if step == new_tokens - 1:
                 break
             logits = base.model(input_ids=torch.tensor([[tok]]), position_ids=torch.tensor([[n + len(prompt) + step]]),
                                 past_key_values=cache, use_cache=True).logits[:, -1]
-    return out
+    return out, seen
 
 
 def test_static_cache_decode_equals_dynamic_cache_decode(tiny_qwen3, document):
     layout, kv, prompts = _setup(tiny_qwen3, document)
     provider = ExactDocState(kv)
     for p in prompts:
-        ref = _dynamic_cache_greedy(tiny_qwen3, provider, layout.n, p, 12)
+        ref, ref_logits = _dynamic_cache_greedy(tiny_qwen3, provider, layout.n, p, 12)
+        clear = _clear_steps(ref_logits)
+        assert clear >= 3, f"only {clear} steps with a clear top-2 margin: the check would say nothing"
         default = DecodeEngine(tiny_qwen3, provider, layout.n, stop_ids=()).run([Request(p, 12)])
         static = DecodeEngine(tiny_qwen3, provider, layout.n, stop_ids=(), static_shapes=True).run([Request(p, 12)])
-        assert default.tokens[0] == ref and static.tokens[0] == ref
+        assert default.tokens[0][:clear] == ref[:clear] and static.tokens[0][:clear] == ref[:clear]
 
 
 def test_static_shape_step_gives_the_default_steps_logits(tiny_llama, document):
@@ -125,14 +142,12 @@ def test_batched_rows_of_different_lengths_equal_one_at_a_time(fixture, request,
     for i, r in enumerate(reqs):
         alone, seen_alone = _capture_logits(engine, [r])
         got, want = torch.stack(seen[i]), torch.stack(seen_alone[0])
-        steps = min(len(got), len(want))
+        # tokens agree up to the first step whose top-2 margin is within float noise; the logits agree
+        # through that step too (same history), after it the rows may continue differently
+        clear = _clear_steps(want)
+        steps = min(len(got), len(want), clear + 1)
         torch.testing.assert_close(got[:steps], want[:steps], atol=LOGIT_ATOL, rtol=0)
-        # tokens must agree up to the first step whose top-2 margin is within float noise
-        for step in range(steps):
-            top2 = want[step].topk(2).values
-            if (top2[0] - top2[1]).item() < 10 * LOGIT_ATOL:
-                break
-            assert together.tokens[i][step] == alone.tokens[0][step]
+        assert together.tokens[i][:clear] == alone.tokens[0][:clear]
 
 
 @pytest.mark.parametrize("static_shapes", [False, True])
