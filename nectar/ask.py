@@ -76,23 +76,11 @@ def ask(run_dir: str, question: str, stream: TextCallback | None = None, *,
     Generation defaults are the run's evaluation settings (nucleus p, temperature, the non-QA
     token limit); the module is checked against the run's model and document before use.
     """
-    from .layout import build_layout
-    from .models import load_base_model
-    from .modules.io import load_module
-    from .orchestration import open_run
+    from .serving.loader import load_served_module  # the server's loader: the same checks
 
-    ctx = open_run(run_dir)
-    if not ctx.run.exists("train", "module.json"):
-        raise FileNotFoundError(f"{ctx.run.url('train')}: no trained module (run the pipeline through "
-                                "the train stage first)")
-    base = load_base_model(ctx.config.model)
-    module, spec = load_module(ctx.run.url("train"), base, ctx.info.sha256, device=base.device)
-    # The template around the question is split from the document at fixed sentinels, so the
-    # prompt tokens are the ones the module was trained on; the document text is tokenized (cheap,
-    # no forward) only to build that layout.
-    layout = build_layout(base.tokenizer, ctx.text)
-    ev = ctx.config.evaluate
+    served = load_served_module(run_dir)
+    base, module, layout, spec, ev = served.base, served.module, served.layout, served.spec, served.defaults
     return answer(base, module, layout, spec.n_context, question, stream,
-                  max_new_tokens if max_new_tokens is not None else ev.max_new_tokens_other,
+                  max_new_tokens if max_new_tokens is not None else ev.max_tokens,
                   temperature if temperature is not None else ev.temperature,
                   top_p if top_p is not None else ev.top_p, seed)

@@ -1,6 +1,7 @@
-"""Load what the server answers with: a run's base model, its trained module and its prompt layout.
+"""Load what a module answers with — for ``nectar serve`` and ``nectar ask`` alike: a run's base model,
+its trained module and its prompt layout.
 
-The same checks as ``nectar ask``: the run's train stage must have completed, and the module must
+The run's train stage must have completed, and the module must
 have been trained for this base model (weights hash) and this document (sha256). The document text
 is tokenized (no forward pass) only to build the layout around the questions.
 """
