@@ -62,8 +62,15 @@ def _torchrun(nproc: int, env_extra: dict | None = None, timeout: int = 120):
 
 
 def _ranks(proc) -> list[dict]:
-    return sorted((json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"rank"')),
-                  key=lambda r: r["rank"])
+    """Each rank's JSON object. The ranks share one stdout pipe, so their writes can interleave on a
+    line (``{rank 1}{rank 0}\n\n``): objects are decoded where they start, not line by line."""
+    decoder, out, text = json.JSONDecoder(), [], proc.stdout
+    start = text.find('{"rank"')
+    while start != -1:
+        obj, end = decoder.raw_decode(text, start)
+        out.append(obj)
+        start = text.find('{"rank"', end)
+    return sorted(out, key=lambda r: r["rank"])
 
 
 def test_collectives_on_two_gloo_processes_reduce_cpu_tensors():
