@@ -15,6 +15,19 @@ from .builder import NectarModule
 from .fused import FusedModule, fuse_module
 
 
+def _check_fit(m, layer: int, q: torch.Tensor, scaling: float) -> tuple[int, int, int, int, int, int]:
+    """Refuse queries of another model (scaling, heads, head dim); (b, hq, m, d, hkv, group) of q."""
+    if not math.isclose(scaling, m.scaling, rel_tol=1e-5):
+        raise ValueError(f"layer {layer}: attention scaling {scaling} differs from the module's "
+                         f"{m.scaling}; the module was trained for another model")
+    b, hq, t, d = q.shape
+    hkv = m.num_kv_heads
+    if hq % hkv or d != m.head_dim:
+        raise ValueError(f"queries [b, {hq}, m, {d}] don't fit a module with {hkv} KV heads of "
+                         f"dim {m.head_dim}")
+    return b, hq, t, d, hkv, hq // hkv
+
+
 class ModuleDocState:
     """Provider: (A_θ(q), a_θ(q)) in place of the document's (A, α). Differentiable."""
 
@@ -23,15 +36,7 @@ class ModuleDocState:
 
     def __call__(self, layer: int, q: torch.Tensor, scaling: float) -> AttnState:
         m = self.module
-        if not math.isclose(scaling, m.scaling, rel_tol=1e-5):
-            raise ValueError(f"layer {layer}: attention scaling {scaling} differs from the module's "
-                             f"{m.scaling}; the module was trained for another model")
-        b, hq, t, d = q.shape
-        hkv = m.num_kv_heads
-        if hq % hkv or d != m.head_dim:
-            raise ValueError(f"queries [b, {hq}, m, {d}] don't fit a module with {hkv} KV heads of "
-                             f"dim {m.head_dim}")
-        g = hq // hkv
+        b, hq, t, d, hkv, g = _check_fit(m, layer, q, scaling)
         param = next(m.parameters())
         qf = q.to(param.dtype).reshape(b, hkv, g, t, d).permute(0, 2, 3, 1, 4).reshape(b * g * t, hkv, d)
         A, a = m.predict(layer, qf)  # [b·g·t, hkv, d], [b·g·t, hkv]
@@ -51,15 +56,7 @@ class FusedModuleDocState:
 
     def __call__(self, layer: int, q: torch.Tensor, scaling: float) -> AttnState:
         m = self.module
-        if not math.isclose(scaling, m.scaling, rel_tol=1e-5):
-            raise ValueError(f"layer {layer}: attention scaling {scaling} differs from the module's "
-                             f"{m.scaling}; the module was trained for another model")
-        b, hq, t, d = q.shape
-        hkv = m.num_kv_heads
-        if hq % hkv or d != m.head_dim:
-            raise ValueError(f"queries [b, {hq}, m, {d}] don't fit a module with {hkv} KV heads of "
-                             f"dim {m.head_dim}")
-        g = hq // hkv
+        b, hq, t, d, hkv, g = _check_fit(m, layer, q, scaling)
         qh = q.reshape(b, hkv, g * t, d).transpose(0, 1).reshape(hkv, b * g * t, d)  # [hkv, b·g·m, d]
         A, a = m.predict(layer, qh)  # [hkv, b·g·m, d], [hkv, b·g·m]
         out = A.reshape(hkv, b, g * t, d).transpose(0, 1).reshape(b, hq, t, d)  # [b, hq, m, d]
