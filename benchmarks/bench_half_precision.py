@@ -5,15 +5,16 @@ One capture of float32 targets by the real targets stage (embedded SmolLM2-135M,
 ``--document``) with ``--pairs`` synthetic pairs (bench_targets' document-sentence pairs; KL to the
 full-context model needs no good pairs, only query tokens). The float16 and bfloat16 stores are that
 store's q and A rounded exactly as the stage writes them (``encode_values``; α stays float32), so the
-three trainings differ in storage alone. The same module (the cpu preset's regression settings, same
-seed, ``--samples`` query tokens) is trained on each, then every held-out pair is scored teacher-forced
+three trainings differ in storage alone. The same module (same settings, same
+seed, ``--samples`` query tokens; the cpu preset's default module unless ``--regime``) is trained on each, then every held-out pair is scored teacher-forced
 by all three modules, the full-context model and the no-document model.
 
 Printed: KL(full ‖ module) per response token for each storage, and the paired difference to float32
 with a 95 % bootstrap interval over held-out pairs (tokens of a pair are correlated, so pairs are
 resampled); the no-document KL for scale; the storage's rounding error on q and A.
 
-    python benchmarks/bench_half_precision.py                  # ~15 min on 2 cores
+    python benchmarks/bench_half_precision.py                    # ~20 min on 2 cores (the cpu default module)
+    python benchmarks/bench_half_precision.py --regime regression  # the MLP trained by regression
 """
 from __future__ import annotations
 
@@ -88,6 +89,8 @@ def main() -> int:
     ap.add_argument("--document", default="pydoc:naming")
     ap.add_argument("--pairs", type=int, default=200, help="synthetic pairs (every 5th held out)")
     ap.add_argument("--samples", type=int, default=30_000, help="training budget in query tokens (cpu preset: 60k)")
+    ap.add_argument("--regime", default=None, help="a training regime (e.g. regression: the MLP); default: the cpu "
+                    "preset's own module (matching: quadrature, Attention Matching init, refined by regression)")
     ap.add_argument("--bootstrap", type=int, default=4000)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", default=None)
@@ -102,7 +105,7 @@ def main() -> int:
     layout = build_layout(base.tokenizer, text)
     kv = prefill_document(base, layout.context_ids)
     rows = synthetic_pairs(text, args.pairs, seed=0)
-    cpu = load_config("cpu", regime="regression")
+    cpu = load_config("cpu", regime=args.regime)
     with tempfile.TemporaryDirectory(prefix="bench-half-") as tmp:
         work = Path(tmp)
         counts = build_targets(base, layout, kv, rows, cpu.targets, str(work / "float32"), source.sha256)
@@ -117,7 +120,7 @@ def main() -> int:
         modules, seconds = {}, {}
         for dtype in DTYPES:
             t0 = time.perf_counter()
-            train(str(work / dtype), cfg, base, None, str(work / f"train-{dtype}"))
+            train(str(work / dtype), cfg, base, kv, str(work / f"train-{dtype}"))  # kv: quadrature init
             seconds[dtype] = time.perf_counter() - t0
             modules[dtype] = load_module(str(work / f"train-{dtype}"), base)[0]
             print(f"[bench_half_precision] trained on {dtype} targets in {seconds[dtype]:.0f} s", file=sys.stderr)
@@ -128,7 +131,8 @@ def main() -> int:
     kl = {name: sums[name].kl for name in (*DTYPES, "none")}  # [P] per-pair sums, in the order of pairs
     n = sums["full"].n
     print(f"\nbench_half_precision: embedded:smollm2-135m, {args.document} (n = {layout.n}), {counts['pairs']} synthetic "
-          f"pairs ({counts['tokens']} query tokens), regression module rho={cfg.module.rho} trained on {args.samples} "
+          f"pairs ({counts['tokens']} query tokens), {args.regime or 'cpu-default'} module ({cfg.module.arch}, "
+          f"init {cfg.module.init}) rho={cfg.module.rho} trained on {args.samples} "
           f"query tokens (batch {cfg.batch_size}, seed {cfg.seed}) per storage; held out: {len(pairs)} pairs, "
           f"{int(n.sum())} response tokens; load average before {load0[0]:.1f}")
     print(f"{'storage':<10}{'rel. error q':>13}{'rel. error A':>13}{'KL/token':>10}{'minus float32 [95% CI over pairs]':>40}"

@@ -18,13 +18,17 @@ What it measures, each step in its own child process (so peak RSS belongs to tha
                 (λKL = 2, b = 4, through the base model).
 4. extrapolation to the paper's largest setting (IP Intro: n = 122,466 tokens, 228,193 samples) on
    Qwen3-1.7B's shapes: bytes from the storage formula (the measured bytes/token match it), compute
-   as FLOPs — what one GPU can and cannot hold. GPU throughput is not measured here (no GPU was
-   lent): those figures are owed, and FLOP counts are bounds, not measurements.
+   as FLOPs scaled by the rate measured in step 1 — what one GPU can and cannot hold.
 
     python benchmarks/bench_scale.py          # a few minutes on 2 cores: n = 4k, 16 captured pairs, stores up to 200 pairs
     python benchmarks/bench_scale.py --doc-tokens 16384 --capture-pairs 64 --pairs 2000 --online-stage
                                               # the issue's CPU size: n >= 16k, >= 2,000 pairs (26 GB float32 store)
     python benchmarks/bench_scale.py --model embedded:smollm2-135m   # the real weights (same speed)
+    python benchmarks/bench_scale.py --model random:qwen3-1.7b --device cuda --dtype bfloat16 \
+        --doc-tokens 32768 --capture-pairs 32 --online-stage --online-pairs 10000 --pairs 128 \
+        --top-k 64 --batch-size 32 --batch-tokens 4096
+                                              # a GPU: Qwen3-1.7B shapes, n = 32k, 10k pairs through the
+                                              # online stage (cached q/α/A of 10k pairs would be ~0.5 TB)
 
 ``--model random:smollm2`` (default) is SmolLM2-135M's architecture with random weights (needs only
 its tokenizer and config.json); speed and bytes depend on the shapes alone. Training runs compute the
@@ -85,11 +89,65 @@ def load_model(args):
 
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     if args.model == "random:smollm2":
-        return random_smollm2("float32", "cpu", args.doc_tokens + 1024)
+        return random_smollm2(args.dtype, args.device, args.doc_tokens + 1024)
+    if args.model == "random:qwen3-1.7b":
+        return random_qwen3(args.dtype, args.device, args.doc_tokens + 1024)
     from nectar.models import load_base_model
     from nectar.schemas import ModelConfig
 
-    return load_base_model(ModelConfig(name=args.model, device="cpu"))
+    return load_base_model(ModelConfig(name=args.model, device=args.device, dtype=args.dtype))
+
+
+def random_qwen3(dtype: str, device: str, window: int):
+    """Qwen3-1.7B's architecture (28 layers, 16 q / 8 kv heads, d = 128, 151,936-token vocabulary,
+    tied embeddings) with random weights, YaRN-extended past its 32,768 native positions as the
+    ``paper`` preset does. Tokenised with SmolLM2's tokenizer (ids < 49,152, inside the vocabulary):
+    speed and bytes depend on the shapes alone, so nothing of Qwen3 but its config is needed."""
+    import math
+
+    import torch
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    from nectar.models import BaseModel, apply_rope_scaling, cache_dir
+
+    native = 32_768
+    config = Qwen3Config(vocab_size=151_936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                         num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
+                         tie_word_embeddings=True, max_position_embeddings=native,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
+    if window > native:  # YaRN x2 or x4, as the paper extends Qwen3
+        apply_rope_scaling(config, {"rope_type": "yarn", "factor": float(2 ** math.ceil(math.log2(window / native)))})
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(config).to(getattr(torch, dtype)).eval()
+    model.requires_grad_(False)
+    tok = AutoTokenizer.from_pretrained(cache_dir() / "models" / "smollm2-135m-instruct")
+    return BaseModel(model=model, tokenizer=tok, name="random:qwen3-1.7b",
+                     weights_hash=f"random-qwen3-1.7b-seed0-{dtype}-{window}",  # hashing 3.4 GB would add ~10 s a child
+                     num_layers=28, num_q_heads=16, num_kv_heads=8, head_dim=128,
+                     max_context_tokens=config.max_position_embeddings)
+
+
+def nonembed_params(base) -> int:
+    """Parameters the per-token matmuls touch, the LM head included (embedding lookups excluded)."""
+    m = base.model
+    emb = m.get_input_embeddings().weight
+    total = sum(p.numel() for p in m.parameters())
+    tied = m.get_output_embeddings().weight is emb
+    return total - (0 if tied else emb.numel())
+
+
+def gpu_peak(reset: bool = False) -> float | None:
+    """Peak GPU memory allocated by this process (GB), or None on CPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() / 1e9
+    if reset:
+        torch.cuda.reset_peak_memory_stats()
+    return peak
 
 
 def setup(args, base):
@@ -106,7 +164,8 @@ def setup(args, base):
 def targets_cfg(args, **kw):
     from nectar.schemas import TargetsConfig
 
-    return TargetsConfig(top_k=args.top_k, max_query_tokens=args.max_query_tokens, max_bytes=10**15, **kw)
+    return TargetsConfig(top_k=args.top_k, max_query_tokens=args.max_query_tokens, max_bytes=10**15,
+                         batch_size=args.batch_size, batch_tokens=args.batch_tokens, **kw)
 
 
 # ----------------------------------------------------------------------------- children
@@ -119,20 +178,31 @@ def child_capture(args) -> dict:
 
     base = load_model(args)
     text, layout, rows = setup(args, base)
-    out: dict = {"n_context": layout.n, "rss_after_load_mb": rss_mb()}
+    out: dict = {"n_context": layout.n, "rss_after_load_mb": rss_mb(), "gpu_weights_gb": gpu_peak(reset=True),
+                 "nonembed_params": nonembed_params(base), "device": str(base.device), "dtype": str(base.dtype)}
     t0, c0 = time.perf_counter(), time.process_time()
     kv = prefill_document(base, layout.context_ids)
-    out.update(prefill_s=time.perf_counter() - t0, prefill_cpu_s=time.process_time() - c0)
+    gpu_peak()
+    out.update(prefill_s=time.perf_counter() - t0, prefill_cpu_s=time.process_time() - c0,
+               gpu_prefill_peak_gb=gpu_peak(reset=True))
     save_doc_kv(kv, f"{args.workdir}/doc_kv.safetensors", {"n": layout.n})
-    for mode in ("cached", "online") if args.online_stage else ("cached",):
+    modes = [("cached", rows)]
+    if args.online_stage:  # the online stage may run more pairs: it writes no q/α/A
+        from bench_targets import synthetic_pairs
+
+        modes.append(("online", synthetic_pairs(text, args.online_pairs, seed=1) if args.online_pairs else rows))
+    for mode, mode_rows in modes:
         cfg = targets_cfg(args, mode=mode)
-        planned = stage.plan_pairs(rows, layout, cfg)
+        planned = stage.plan_pairs(mode_rows, layout, cfg)
         size = stage.targets_size(planned, base, cfg)
         t0, c0 = time.perf_counter(), time.process_time()
-        counts = stage.build_targets(base, layout, kv, rows, cfg, f"{args.workdir}/{mode}", "bench", planned=planned)
+        counts = stage.build_targets(base, layout, kv, mode_rows, cfg, f"{args.workdir}/{mode}", "bench",
+                                     planned=planned)
+        gpu_peak()
         out[mode] = dict(seconds=time.perf_counter() - t0, cpu_s=time.process_time() - c0, tokens=counts["tokens"],
-                         pairs=counts["pairs"], estimated_bytes=size.total,
+                         pairs=counts["pairs"], estimated_bytes=size.total, gpu_peak_gb=gpu_peak(reset=True),
                          bytes=dir_bytes(Path(args.workdir) / mode / "targets.zarr"))
+        print(f"[bench_scale] {mode} stage: {json.dumps(out[mode])}", file=sys.stderr, flush=True)
     out["doc_kv_bytes"] = kv.nbytes()
     out["peak_rss_mb"] = peak_rss_mb()
     out["shapes"] = dict(layers=base.num_layers, q_heads=base.num_q_heads, kv_heads=base.num_kv_heads,
@@ -151,6 +221,7 @@ def child_train(args) -> dict:
 
     base = load_model(args)
     rss_load = rss_mb()
+    gpu_peak(reset=True)
     kv = None
     if args.online or args.kl:
         from safetensors.torch import load_file
@@ -188,7 +259,8 @@ def child_train(args) -> dict:
     # steps 1 … total-1: the last step also runs the final held-out evaluation and checkpoint
     (s0, t_first), (s1, t_last) = stamps[0], stamps[-2]
     return dict(steps_per_s=(s1 - s0) / (t_last - t_first), batch=batch, wall_s=time.perf_counter() - t0,
-                rss_after_load_mb=rss_load, peak_rss_mb=peak_rss_mb(), store_bytes=dir_bytes(Path(args.store)))
+                rss_after_load_mb=rss_load, peak_rss_mb=peak_rss_mb(), store_bytes=dir_bytes(Path(args.store)),
+                gpu_peak_gb=gpu_peak())
 
 
 # ----------------------------------------------------------------------------- parent-side store copies
@@ -247,12 +319,18 @@ def spawn(args, child: str, extra: list[str], label: str) -> dict:
     result = Path(args.workdir) / f"{label}.json"
     cmd = [sys.executable, __file__, "--child", child, "--workdir", args.workdir, "--result", str(result),
            "--model", args.model, "--doc-tokens", str(args.doc_tokens), "--capture-pairs", str(args.capture_pairs),
-           "--top-k", str(args.top_k), "--max-query-tokens", str(args.max_query_tokens), *extra]
+           "--top-k", str(args.top_k), "--max-query-tokens", str(args.max_query_tokens),
+           "--device", args.device, "--dtype", args.dtype, "--online-pairs", str(args.online_pairs),
+           "--batch-size", str(args.batch_size), "--batch-tokens", str(args.batch_tokens), *extra]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     print(f"[bench_scale] {label} ...", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
     subprocess.run(cmd, check=True)
-    return json.loads(result.read_text())
+    out = json.loads(result.read_text())
+    # each child's figures as soon as they exist: a run cut short (a device's time limit) keeps them
+    print(f"[bench_scale] {label} done in {time.perf_counter() - t0:.0f} s: {json.dumps(out)}", file=sys.stderr, flush=True)
+    return out
 
 
 def extrapolate(cap: dict, tr: dict) -> list[str]:
@@ -271,7 +349,7 @@ def extrapolate(cap: dict, tr: dict) -> list[str]:
         lines.append(f"  targets {mode if mode == 'online' else dtype:>8}: {s.bytes_per_token():>7,} B/token "
                      f"-> {human(s.total)}")
     kv_bf16 = 2 * q["layers"] * q["kv_heads"] * q["head_dim"] * PAPER_N * 2
-    flop_model = 2 * q["nonembed"]  # per query token, matmuls of the frozen model
+    flop_model = 2 * q["params"]  # per query token, matmuls of the frozen model (the tied LM head included)
     flop_doc = 4 * q["layers"] * q["q_heads"] * q["head_dim"] * PAPER_N  # q·K and p·V over the document
     capture = tokens * (flop_model + flop_doc)
     lines += [
@@ -280,10 +358,10 @@ def extrapolate(cap: dict, tr: dict) -> list[str]:
         f"  capture compute: {(flop_model + flop_doc) / 1e9:.1f} GFLOP per query token ({flop_doc / 1e9:.1f} of "
         f"them attention over the document) = {capture:.2e} FLOP in all; at the H100's dense bf16 peak "
         f"({H100_BF16_PEAK / 1e12:.0f} TFLOP/s, never reached) that is >= {capture / H100_BF16_PEAK / 60:.0f} min "
-        f"— a bound, not a measurement (GPU figures are owed)",
+        f"— a bound; the rate measured here follows",
         f"  online targets cost one such capture per epoch of pair training (a forward with the document "
         f"attention the module path skips) and, for token batches, each token's pair prefix "
-        f"(x{tr['online_amplification']:.0f} tokens run per token trained, measured on CPU below)",
+        f"(x{tr['online_amplification']:.0f} tokens run per token trained, measured below)",
         "  one GPU can: hold the model + document KV (+ a streamed window of targets in host RAM), capture "
         "at the compute above, train online; it cannot: keep float32 or bf16 targets on its own disk "
         "(TB; this machine has 64 GiB), nor hold them in RAM — those need object storage (fsspec) or "
@@ -291,15 +369,27 @@ def extrapolate(cap: dict, tr: dict) -> list[str]:
     ]
     cpu_tok_s = cap["cached"]["tokens"] / cap["cached"]["seconds"]
     cpu_flop = cap["cached"]["tokens"] * cap["flop_per_token"] / cap["cached"]["seconds"]
-    lines.append(f"  this CPU sustained {cpu_flop / 1e9:.0f} GFLOP/s in capture ({cpu_tok_s:.0f} tok/s at n = "
-                 f"{cap['n_context']:,}); at that rate the paper's capture would take {capture / cpu_flop / 86400 / 365:.1f} "
-                 "years: CPU is for the demo, not for paper scale")
+    where = f"this {cap['device']} device"
+    lines.append(f"  {where} sustained {cpu_flop / 1e9:,.0f} GFLOP/s in capture ({cpu_tok_s:,.0f} tok/s at n = "
+                 f"{cap['n_context']:,}); at that rate the paper's capture would take "
+                 f"{capture / cpu_flop / 3600:,.1f} hours ({capture / cpu_flop / 86400 / 365:.2f} years)")
+    if "online" in cap:
+        o = cap["online"]
+        on_flop = o["tokens"] * cap["flop_per_token"] / o["seconds"]
+        lines.append(f"  online stage (top-K only) sustained {on_flop / 1e9:,.0f} GFLOP/s; the paper's top-K pass at that "
+                     f"rate: {capture / on_flop / 3600:,.1f} hours")
     return lines
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="random:smollm2", help="random:smollm2 (default) or embedded:smollm2-135m")
+    p.add_argument("--model", default="random:smollm2",
+                   help="random:smollm2 (default), random:qwen3-1.7b (GPU size) or embedded:smollm2-135m")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--dtype", default="float32", help="the model's dtype (float32 on CPU; bfloat16 on a GPU)")
+    p.add_argument("--online-pairs", type=int, default=0,
+                   help="pairs of the online targets stage (default: the captured ones); it stores no q/α/A, "
+                   "so it can run the issue's >= 10k pairs where cached targets would not fit the disk")
     p.add_argument("--doc-tokens", type=int, default=4096)
     p.add_argument("--pairs", type=int, default=200, help="pairs of the largest store (tiled from the captured)")
     p.add_argument("--capture-pairs", type=int, default=16, help="synthetic pairs put through the targets stage")
@@ -307,6 +397,8 @@ def main(argv=None) -> int:
     p.add_argument("--rss-pairs", default=None, help="comma list of store sizes (pairs) for the memory series "
                    "(default: pairs/4 and pairs)")
     p.add_argument("--top-k", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=8, help="targets.batch_size: pairs per capture forward")
+    p.add_argument("--batch-tokens", type=int, default=2048, help="targets.batch_tokens: query tokens per forward")
     p.add_argument("--max-query-tokens", type=int, default=384)
     p.add_argument("--steps", type=int, default=20, help="training steps per measurement")
     p.add_argument("--online-steps", type=int, default=3, help="steps of online token-batch training (>= 3)")
@@ -344,7 +436,7 @@ def run(args, work: Path) -> int:
     load0 = os.getloadavg()
     cap = spawn(args, "capture", ["--online-stage"] if args.online_stage else [], "capture")
     sh = cap["shapes"]
-    cap["flop_per_token"] = 2 * 106e6 + 4 * sh["layers"] * sh["q_heads"] * sh["head_dim"] * cap["n_context"]
+    cap["flop_per_token"] = 2 * cap["nonembed_params"] + 4 * sh["layers"] * sh["q_heads"] * sh["head_dim"] * cap["n_context"]
     fp32 = work / "cached" / "targets.zarr"
     tokens, captured = cap["cached"]["tokens"], cap["cached"]["pairs"]
     stores = {"float32": fp32}
@@ -387,10 +479,15 @@ def run(args, work: Path) -> int:
 def report(args, cap, stores, runs, amp, rss_pairs, big, tokens, load0, t_start) -> None:
     sh, c = cap["shapes"], cap["cached"]
     print()
-    print(f"bench_scale: model={args.model} (SmolLM2-135M shapes: L={sh['layers']}, Hq={sh['q_heads']}, "
-          f"Hkv={sh['kv_heads']}, d={sh['head_dim']}) n_context={cap['n_context']:,} captured pairs={c['pairs']:,} "
+    print(f"bench_scale: model={args.model} (L={sh['layers']}, Hq={sh['q_heads']}, "
+          f"Hkv={sh['kv_heads']}, d={sh['head_dim']}, {cap['nonembed_params'] / 1e6:.0f}M matmul parameters) "
+          f"on {cap['device']} in {cap['dtype']}; n_context={cap['n_context']:,} captured pairs={c['pairs']:,} "
           f"({tokens:,} query tokens) top_k={args.top_k} threads={args.threads or os.cpu_count()} "
           f"load average before={load0[0]:.1f}")
+    if cap.get("gpu_weights_gb") is not None:
+        print(f"GPU memory (peak allocated): weights {cap['gpu_weights_gb']:.1f} GB; prefill "
+              f"{cap['gpu_prefill_peak_gb']:.1f} GB; targets stage {c['gpu_peak_gb']:.1f} GB"
+              + (f"; online stage {cap['online']['gpu_peak_gb']:.1f} GB" if "online" in cap else ""))
     print(f"capture: prefill {cap['prefill_s']:.1f} s ({cap['n_context'] / cap['prefill_s']:.0f} document tok/s); "
           f"targets stage {c['seconds']:.1f} s = {tokens / c['seconds']:.1f} query tok/s with its Zarr writes "
           f"(CPU {c['cpu_s']:.0f} s); ~{cap['flop_per_token'] / 1e9:.2f} GFLOP/query token -> "
@@ -398,8 +495,10 @@ def report(args, cap, stores, runs, amp, rss_pairs, big, tokens, load0, t_start)
           f"peak RSS {cap['peak_rss_mb']:.0f} MB")
     if "online" in cap:
         o = cap["online"]
-        print(f"  online targets stage (teacher top-K only, nothing recorded): {o['seconds']:.1f} s = "
-              f"{tokens / o['seconds']:.1f} query tok/s")
+        print(f"  online targets stage (teacher top-K only, nothing recorded): {o['pairs']:,} pairs, "
+              f"{o['tokens']:,} query tokens in {o['seconds']:.1f} s = {o['tokens'] / o['seconds']:.1f} query tok/s; "
+              f"store {human(o['bytes'])} ({o['bytes'] / o['tokens']:,.0f} B/token; estimate "
+              f"{o['estimated_bytes'] / o['tokens']:,.0f})")
     print(f"{'storage':<10}{'B/token on disk':>16}{'estimate B/token':>18}{'captured store':>16}{'vs float32':>11}")
     from nectar.stages.targets import TargetsSize
 
@@ -411,10 +510,12 @@ def report(args, cap, stores, runs, amp, rss_pairs, big, tokens, load0, t_start)
                           mode="online" if name == "online" else "cached", chunk_tokens=64, shard_tokens=2048).total
         print(f"{name:<10}{b / tokens:>16,.0f}{est / tokens:>18,.0f}{human(b):>16}{b / f32:>10.3f}x")
     print(f"{'training run':<34}{'store':>11}{'steps/s':>9}{'items/s':>9}{'RSS load MB':>12}{'peak RSS MB':>12}"
-          f"{'peak-load MB':>13}")
+          f"{'peak-load MB':>13}{'GPU peak GB':>12}")
     for name, r in runs.items():
+        g = r.get("gpu_peak_gb")
         print(f"{name:<34}{human(r['store_bytes']):>11}{r['steps_per_s']:>9.3f}{r['steps_per_s'] * r['batch']:>9.1f}"
-              f"{r['rss_after_load_mb']:>12.0f}{r['peak_rss_mb']:>12.0f}{r['peak_rss_mb'] - r['rss_after_load_mb']:>13.0f}")
+              f"{r['rss_after_load_mb']:>12.0f}{r['peak_rss_mb']:>12.0f}{r['peak_rss_mb'] - r['rss_after_load_mb']:>13.0f}"
+              f"{'-' if g is None else f'{g:.1f}':>12}")
     first, last = runs[f"stream {rss_pairs[0]} pairs"], runs[f"stream {rss_pairs[-1]} pairs"]
     def grow(r): return r["peak_rss_mb"] - r["rss_after_load_mb"]
     print(f"  streamed: store {last['store_bytes'] / first['store_bytes']:.1f}x larger "
@@ -431,7 +532,7 @@ def report(args, cap, stores, runs, amp, rss_pairs, big, tokens, load0, t_start)
     print(f"  online vs cached, pair batches (b=4, lambda_kl=2): {kon['steps_per_s']:.3f} vs {kca['steps_per_s']:.3f} "
           f"steps/s ({kca['steps_per_s'] / kon['steps_per_s']:.2f}x slower: one more forward of the pairs, with the "
           f"document attention)")
-    print("extrapolation (storage formula and FLOP counts; no GPU measured):")
+    print("extrapolation (storage formula and FLOP counts, scaled by the throughput measured above):")
     for line in extrapolate(cap, {"online_amplification": amp}):
         print(line)
     load1 = os.getloadavg()

@@ -170,7 +170,9 @@ def apply_rope_scaling(hf_config, scaling: dict) -> None:
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor < 1:
         raise ModelLoadError(f"model.rope_scaling: factor must be a number >= 1, got {factor!r}")
     own = dict(getattr(hf_config, "rope_parameters", None) or {})
-    if hf_config.nested_rope_parameter_keys(own):
+    # Per-layer-type parameters are dicts keyed by layer type ({"full_attention": {...}}). Read off the
+    # values: transformers' own nested_rope_parameter_keys exists only from 5.2x (5.17 lacks it).
+    if any(isinstance(v, dict) for v in own.values()):
         raise ModelLoadError("model.rope_scaling: this model has per-layer-type RoPE parameters, which "
                              "model.rope_scaling does not set; edit the model's config.json instead")
     params = {k: own[k] for k in ("rope_theta", "partial_rotary_factor", "original_max_position_embeddings")
@@ -183,8 +185,9 @@ def apply_rope_scaling(hf_config, scaling: dict) -> None:
     original = params.get("original_max_position_embeddings") or hf_config.max_position_embeddings
     hf_config.max_position_embeddings = int(original * float(factor))
     try:
-        hf_config.standardize_rope_params()
-        hf_config.validate_rope()
+        for step in ("standardize_rope_params", "validate_rope"):  # both from transformers 5.x on; guard anyway
+            if hasattr(hf_config, step):
+                getattr(hf_config, step)()
     except (KeyError, ValueError, TypeError) as exc:
         raise ModelLoadError(f"model.rope_scaling {params}: {exc}") from None
 
