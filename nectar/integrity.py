@@ -20,6 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
+import torch
+
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
@@ -193,6 +195,39 @@ def summarize(stage: str, changes: list[Change]) -> str:
     first = changes[0].describe(stage)
     more = len(changes) - 1
     return first + (f" (and {more} more file{'s' if more > 1 else ''})" if more else "")
+
+
+# safetensors' dtype names (the header's "dtype" field)
+_ST_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64", "int64": "I64",
+              "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+
+
+def write_stable_safetensors(f, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> None:
+    """Stream ``tensors`` into the binary file ``f`` as safetensors, byte for byte what
+    ``stable_safetensors(safetensors.torch.save(tensors, metadata))`` gives, one tensor at a time.
+
+    ``save`` builds the whole file in memory (and ``stable_safetensors`` copies it once more): for a
+    122k-token document KV of Qwen3-1.7B (14 GB in bf16) that is ~3 copies beside the tensors. The
+    library's layout: tensors ordered by dtype size (largest first), then name; the header compact
+    JSON (metadata first, sorted here), padded with spaces to a multiple of 8."""
+    import json
+
+    names = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
+    header: dict = {"__metadata__": dict(sorted(metadata.items()))} if metadata else {}
+    offset = 0
+    for name in names:
+        t = tensors[name]
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_DTYPES[str(t.dtype).removeprefix("torch.")], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)
+    f.write(len(text).to_bytes(8, "little"))
+    f.write(text)
+    for name in names:  # one tensor on the host at a time
+        t = tensors[name].detach().to("cpu").contiguous()
+        f.write(t.view(-1).view(torch.uint8).numpy().data if t.numel() else b"")
 
 
 def stable_safetensors(blob: bytes) -> bytes:
