@@ -489,7 +489,7 @@ def report(args, cap, stores, runs, amp, rss_pairs, big, tokens, load0, t_start)
               f"{cap['gpu_prefill_peak_gb']:.1f} GB; targets stage {c['gpu_peak_gb']:.1f} GB"
               + (f"; online stage {cap['online']['gpu_peak_gb']:.1f} GB" if "online" in cap else ""))
     print(f"capture: prefill {cap['prefill_s']:.1f} s ({cap['n_context'] / cap['prefill_s']:.0f} document tok/s); "
-          f"targets stage {c['seconds']:.1f} s = {tokens / c['seconds']:.1f} query tok/s with its Zarr writes "
+          f"targets stage {c['seconds']:.1f} s = {tokens / c['seconds']:.1f} query tok/s with its Zarr writes ({c['bytes'] / c['seconds'] / 1e6:.0f} MB/s) "
           f"(CPU {c['cpu_s']:.0f} s); ~{cap['flop_per_token'] / 1e9:.2f} GFLOP/query token -> "
           f"{tokens * cap['flop_per_token'] / c['seconds'] / 1e9:.0f} GFLOP/s; document KV {human(cap['doc_kv_bytes'])}; "
           f"peak RSS {cap['peak_rss_mb']:.0f} MB")
