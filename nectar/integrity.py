@@ -20,9 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
-import torch
-
 import fsspec
+import torch
 from fsspec.implementations.local import LocalFileSystem
 
 from .schemas.artifacts import FileDigest

@@ -11,10 +11,9 @@ from typing import Any
 import fsspec
 import torch
 from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
+from ..integrity import write_stable_safetensors
 from ..schemas.artifacts import ModuleSpec
-from ..integrity import stable_safetensors
 from ..storage import atomic_write
 from ..tables import read_json_artifact, write_json_artifact
 from .builder import ModulePlan, NectarModule, build_module
@@ -51,10 +50,10 @@ def make_spec(module: NectarModule, plan: ModulePlan, base_model: str, base_mode
 
 def save_module(module: NectarModule, spec: ModuleSpec, dir_url: str) -> list[str]:
     """Write weights then spec (each atomically); returns the file names written."""
-    tensors = {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}
-    blob = st_save(tensors, metadata={"base_model_hash": spec.base_model_hash,
-                                      "doc_sha256": spec.doc_sha256, "arch": spec.arch})
-    atomic_write(f"{dir_url.rstrip('/')}/{WEIGHTS}", stable_safetensors(blob))  # same module, same bytes
+    tensors = module.state_dict()
+    meta = {"base_model_hash": spec.base_model_hash, "doc_sha256": spec.doc_sha256, "arch": spec.arch}
+    # same module, same bytes (the one safetensors writer, shared with the document KV)
+    atomic_write(f"{dir_url.rstrip('/')}/{WEIGHTS}", lambda f: write_stable_safetensors(f, tensors, meta))
     write_json_artifact(f"{dir_url.rstrip('/')}/{SPEC}", spec)
     return [WEIGHTS, SPEC]
 
