@@ -22,7 +22,7 @@ What it measures, each step in its own child process (so peak RSS belongs to tha
 
     python benchmarks/bench_scale.py          # a few minutes on 2 cores: n = 4k, 16 captured pairs, stores up to 200 pairs
     python benchmarks/bench_scale.py --doc-tokens 16384 --capture-pairs 64 --pairs 2000 --online-stage
-                                              # the CPU size: n >= 16k, >= 2,000 pairs (26 GB float32 store)
+                                              # the CPU size: n >= 16k, >= 2,000 pairs (28 GB float32 store, ~45 min)
     python benchmarks/bench_scale.py --model embedded:smollm2-135m   # the real weights (same speed)
     python benchmarks/bench_scale.py --model random:qwen3-1.7b --device cuda --dtype bfloat16 \
         --doc-tokens 32768 --capture-pairs 32 --online-stage --online-pairs 10000 --pairs 128 \
