@@ -58,8 +58,10 @@ def load_document(path: str | None) -> str:
     return "\n\n".join(topics[k] for k in sorted(topics))[:200_000]
 
 
-def random_model(name: str, dtype: str, device: str, window: int):
-    """An architecture with random weights, built from the embedded model's tokenizer/config files."""
+def random_model(name: str, dtype: str, device: str, window: int, rope: dict | None = None):
+    """An architecture with random weights, built from the embedded model's tokenizer/config files.
+    ``rope``: a RoPE scaling (e.g. YaRN, as the ``paper`` preset extends Qwen3) applied before the
+    model is built; without it the window is simply raised to ``window`` (same cost per token)."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
@@ -77,6 +79,11 @@ def random_model(name: str, dtype: str, device: str, window: int):
         cls = Qwen3ForCausalLM
     else:
         raise SystemExit(f"unknown random model {name!r}; use random:smollm2 or random:qwen3-1.7b")
+    if rope is not None:
+        from nectar.models import apply_rope_scaling
+
+        config.max_position_embeddings = 32_768 if name == "random:qwen3-1.7b" else config.max_position_embeddings
+        apply_rope_scaling(config, rope)  # Qwen3: YaRN over its 32,768 pretrained positions
     config.max_position_embeddings = max(window, config.max_position_embeddings)
     torch.manual_seed(0)
     with torch.device(device):

@@ -83,49 +83,23 @@ def human(n: float) -> str:
 
 
 def load_model(args):
+    import math
+
     import torch
 
-    from bench_targets import random_smollm2
+    from bench_generation import random_model
 
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
-    if args.model == "random:smollm2":
-        return random_smollm2(args.dtype, args.device, args.doc_tokens + 1024)
-    if args.model == "random:qwen3-1.7b":
-        return random_qwen3(args.dtype, args.device, args.doc_tokens + 1024)
+    window = args.doc_tokens + 1024
+    if args.model == "random:qwen3-1.7b" and window > 32_768:  # YaRN x2 / x4 past 32k, as the paper preset
+        rope = {"rope_type": "yarn", "factor": float(2 ** math.ceil(math.log2(window / 32_768)))}
+        return random_model(args.model, args.dtype, args.device, window, rope=rope)
+    if args.model.startswith("random:"):  # random weights with the real architecture (only its config travels)
+        return random_model(args.model, args.dtype, args.device, window)
     from nectar.models import load_base_model
     from nectar.schemas import ModelConfig
 
     return load_base_model(ModelConfig(name=args.model, device=args.device, dtype=args.dtype))
-
-
-def random_qwen3(dtype: str, device: str, window: int):
-    """Qwen3-1.7B's architecture (28 layers, 16 q / 8 kv heads, d = 128, 151,936-token vocabulary,
-    tied embeddings) with random weights, YaRN-extended past its 32,768 native positions as the
-    ``paper`` preset does. Tokenised with SmolLM2's tokenizer (ids < 49,152, inside the vocabulary):
-    speed and bytes depend on the shapes alone, so nothing of Qwen3 but its config is needed."""
-    import math
-
-    import torch
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
-
-    from nectar.models import BaseModel, apply_rope_scaling, cache_dir
-
-    native = 32_768
-    config = Qwen3Config(vocab_size=151_936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-                         num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
-                         tie_word_embeddings=True, max_position_embeddings=native,
-                         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
-    if window > native:  # YaRN x2 or x4, as the paper extends Qwen3
-        apply_rope_scaling(config, {"rope_type": "yarn", "factor": float(2 ** math.ceil(math.log2(window / native)))})
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = Qwen3ForCausalLM(config).to(getattr(torch, dtype)).eval()
-    model.requires_grad_(False)
-    tok = AutoTokenizer.from_pretrained(cache_dir() / "models" / "smollm2-135m-instruct")
-    return BaseModel(model=model, tokenizer=tok, name="random:qwen3-1.7b",
-                     weights_hash=f"random-qwen3-1.7b-seed0-{dtype}-{window}",  # hashing 3.4 GB would add ~10 s a child
-                     num_layers=28, num_q_heads=16, num_kv_heads=8, head_dim=128,
-                     max_context_tokens=config.max_position_embeddings)
 
 
 def nonembed_params(base) -> int:
