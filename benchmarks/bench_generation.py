@@ -65,9 +65,13 @@ def random_model(name: str, dtype: str, device: str, window: int, rope: dict | N
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    from nectar.models import BaseModel, _weights_fingerprint, embedded_smollm2_dir
+    from nectar.models import BaseModel, _weights_fingerprint, cache_dir, embedded_smollm2_dir
 
-    path = embedded_smollm2_dir()
+    # Only the tokenizer and config.json are read: on a machine the 538 MB weights can't travel to
+    # (a GPU lease), those two files in $NECTAR_CACHE/models/smollm2-135m-instruct are enough.
+    path = cache_dir() / "models" / "smollm2-135m-instruct"
+    if not ((path / "tokenizer.json").exists() and (path / "config.json").exists()):
+        path = embedded_smollm2_dir()
     tok = AutoTokenizer.from_pretrained(path)
     if name == "random:smollm2":
         config, cls = LlamaConfig.from_pretrained(path), LlamaForCausalLM
