@@ -86,8 +86,7 @@ def random_model(name: str, dtype: str, device: str, window: int, rope: dict | N
     if rope is not None:
         from nectar.models import apply_rope_scaling
 
-        config.max_position_embeddings = 32_768 if name == "random:qwen3-1.7b" else config.max_position_embeddings
-        apply_rope_scaling(config, rope)  # Qwen3: YaRN over its 32,768 pretrained positions
+        apply_rope_scaling(config, rope)
     config.max_position_embeddings = max(window, config.max_position_embeddings)
     torch.manual_seed(0)
     with torch.device(device):

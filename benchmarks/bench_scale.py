@@ -92,7 +92,8 @@ def load_model(args):
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     window = args.doc_tokens + 1024
     if args.model == "random:qwen3-1.7b" and window > 32_768:  # YaRN x2 / x4 past 32k, as the paper preset
-        rope = {"rope_type": "yarn", "factor": float(2 ** math.ceil(math.log2(window / 32_768)))}
+        rope = {"rope_type": "yarn", "factor": float(2 ** math.ceil(math.log2(window / 32_768))),
+                "original_max_position_embeddings": 32_768}  # Qwen3's pretrained window, as the paper preset
         return random_model(args.model, args.dtype, args.device, window, rope=rope)
     if args.model.startswith("random:"):  # random weights with the real architecture (only its config travels)
         return random_model(args.model, args.dtype, args.device, window)
@@ -156,7 +157,6 @@ def child_capture(args) -> dict:
                  "nonembed_params": nonembed_params(base), "device": str(base.device), "dtype": str(base.dtype)}
     t0, c0 = time.perf_counter(), time.process_time()
     kv = prefill_document(base, layout.context_ids)
-    gpu_peak()
     out.update(prefill_s=time.perf_counter() - t0, prefill_cpu_s=time.process_time() - c0,
                gpu_prefill_peak_gb=gpu_peak(reset=True))
     save_doc_kv(kv, f"{args.workdir}/doc_kv.safetensors", {"n": layout.n})
@@ -172,7 +172,6 @@ def child_capture(args) -> dict:
         t0, c0 = time.perf_counter(), time.process_time()
         counts = stage.build_targets(base, layout, kv, mode_rows, cfg, f"{args.workdir}/{mode}", "bench",
                                      planned=planned)
-        gpu_peak()
         out[mode] = dict(seconds=time.perf_counter() - t0, cpu_s=time.process_time() - c0, tokens=counts["tokens"],
                          pairs=counts["pairs"], estimated_bytes=size.total, gpu_peak_gb=gpu_peak(reset=True),
                          bytes=dir_bytes(Path(args.workdir) / mode / "targets.zarr"))
