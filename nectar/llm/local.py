@@ -179,7 +179,8 @@ class LocalBackend:
         text = self.tokenizer.decode(row.tokens, skip_special_tokens=True)
         parsed = find_json(text) if row.request.json_schema is not None and row.error is None else None
         return ChatResult(text=text, parsed=parsed, error=row.error, finish_reason=row.finish_reason or "length",
-                          prompt_tokens=n_prompt, completion_tokens=len(row.tokens))
+                          prompt_tokens=n_prompt, completion_tokens=len(row.tokens),
+                          meta={"completion_ids": list(row.tokens)})
 
 
 def _stop_token_ids(tokenizer, model) -> set[int]:

@@ -8,9 +8,10 @@ from nectar.attention.exact import ExactDocState
 from nectar.attention.engine import generate
 from nectar.attention.forward import query_logits
 from nectar.layout import build_layout
+from float_tolerance import FORWARD, close_reordered
 
 
-def _check_oracle(base, document, atol):
+def _check_oracle(base, document):
     layout = build_layout(base.tokenizer, document)
     pairs = [layout.pair("Who bought the island?", "Captain Ilse Brandt bought it."),
              layout.pair("What cargo?", "Salt cod and lamp oil.")]
@@ -25,13 +26,13 @@ def _check_oracle(base, document, atol):
         got = query_logits(base, ExactDocState(kv), ids, layout.n, mask)
         for i, p in enumerate(pairs):
             ref = base.model(torch.tensor([list(layout.context_ids) + p.ids])).logits[0, layout.n:]
-            assert torch.allclose(got[i, : len(p.ids)], ref, atol=atol), (got[i, : len(p.ids)] - ref).abs().max()
+            assert close_reordered(got[i, : len(p.ids)], ref, FORWARD), (got[i, : len(p.ids)] - ref).abs().max()
     return layout, kv
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2", "tiny_qwen3"])
 def test_exact_provider_reproduces_full_forward_tiny(fixture, request, document):
-    _check_oracle(request.getfixturevalue(fixture), document, atol=1e-4)
+    _check_oracle(request.getfixturevalue(fixture), document)
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama_yarn", "tiny_qwen3_yarn"])
@@ -39,7 +40,7 @@ def test_exact_provider_reproduces_full_forward_with_rope_scaling(fixture, reque
     """RoPE scaling on (model.yarn_factor; the paper's YaRN x4 for Qwen3): the query-only forward at
     positions n… with the exact document state still equals the ordinary full forward."""
     base = request.getfixturevalue(fixture)
-    layout, kv = _check_oracle(base, document, atol=1e-4)
+    layout, kv = _check_oracle(base, document)
     if fixture == "tiny_llama_yarn":  # same weights, unscaled: the scaling must change the outputs
         p = layout.pair("Who bought the island?", "Captain Ilse Brandt bought it.")
         ids = torch.tensor([p.ids])
@@ -116,7 +117,7 @@ def test_module_and_full_context_paths_rotate_queries_identically(fixture, reque
     for name, q in paths.items():
         got = q[..., : q.shape[2], :] if name != "generate_prompt" else q
         want = ref[:, :, : got.shape[2]]
-        assert torch.allclose(got, want, atol=1e-5), (name, (got - want).abs().max())
+        assert close_reordered(got, want), (name, (got - want).abs().max())
     # decode steps: one query each, at positions n + len(prompt), n + len(prompt) + 1
     steps = rec.q0[1:]
     assert len(steps) == 2 and all(s.shape[2] == 1 for s in steps)
@@ -124,12 +125,12 @@ def test_module_and_full_context_paths_rotate_queries_identically(fixture, reque
     logits = query_logits(base, module, torch.tensor([prompt]), layout.n)[0, -1]
     gen_ids.append(int(logits.argmax()))
     ref_gen = _full_forward_q0(base, layout, gen_ids)
-    assert torch.allclose(steps[0], ref_gen[:, :, -1:], atol=1e-5)
+    assert close_reordered(steps[0], ref_gen[:, :, -1:])
 
 
 @pytest.mark.slow
 def test_exact_provider_reproduces_full_forward_smollm2(smollm2, document):
-    _check_oracle(smollm2, document, atol=2e-3)
+    _check_oracle(smollm2, document)
 
 
 def test_no_document_provider_differs_from_full(tiny_llama, document):
@@ -181,7 +182,7 @@ def test_fused_document_state_agrees_with_exact_torch_math(tiny_llama, document)
     for layer in range(tiny_llama.num_layers):
         fused = ExactDocState(kv, backend="fused")(layer, q, tiny_llama.scaling)
         exact = ExactDocState(kv, backend="torch")(layer, q, tiny_llama.scaling)
-        assert torch.allclose(fused.out, exact.out, atol=1e-5) and torch.allclose(fused.lse, exact.lse, atol=1e-5)
+        assert close_reordered(fused.out, exact.out) and close_reordered(fused.lse, exact.lse)
 
 
 def test_fused_local_causal_state_agrees_with_exact_math():
@@ -193,4 +194,4 @@ def test_fused_local_causal_state_agrees_with_exact_math():
                torch.randn(2, 2, 9, 16, generator=g))
     fast = _local_state(q, k, v, None, 0.25)
     exact = attention_state(q, k, v, 0.25, causal_offset=0)
-    assert torch.allclose(fast.out, exact.out, atol=1e-5) and torch.allclose(fast.lse, exact.lse, atol=1e-5)
+    assert close_reordered(fast.out, exact.out) and close_reordered(fast.lse, exact.lse)

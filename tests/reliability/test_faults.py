@@ -59,7 +59,9 @@ def test_zeroed_shard_is_stale_and_only_its_shards_are_redone(run_copy, complete
     assert all(out.statuses[s] == "cached" for s in ("chunk", "synthesize", "verify"))
     assert kept.stat().st_mtime_ns == kept_mtime  # the intact shard was not rewritten: a partial redo
     ref, got = targets_arrays(complete_run), targets_arrays(run_copy)
-    assert all(np.allclose(got[k], ref[k], atol=1e-5) for k in ref)
+    # shards redone in another batch packing: floats to the reordering bound, integers exact
+    assert all(close_reordered(got[k], ref[k]) if got[k].dtype.kind == "f" else np.array_equal(got[k], ref[k])
+               for k in ref)
     same = outputs(run_copy)["targets"] == outputs(complete_run)["targets"]
     # downstream is redone exactly when the rebuilt targets differ (by content) from what it was made of
     assert all(out.statuses[s] == ("cached" if same else "done") for s in ("train", "evaluate"))
@@ -127,6 +129,7 @@ def test_flipped_byte_in_a_chunk_fails_its_read_and_is_named_before_training(run
 HOLD = """
 import sys, time
 from nectar.orchestration.lock import run_lock
+from float_tolerance import close_reordered
 with run_lock(sys.argv[1]):
     print("held", flush=True)
     time.sleep(60)

@@ -23,6 +23,7 @@ from nectar.schemas.artifacts import DatasetRow, MetricsRow, PairRow
 from nectar.schemas.config import STAGES
 from nectar.stages.verify import AnswerRow
 from nectar.tables import read_table
+from float_tolerance import close_reordered
 
 pytestmark = pytest.mark.slow
 HERE = Path(__file__).resolve().parent
@@ -106,7 +107,8 @@ def test_sigkill_inside_targets(run_copy, complete_run):
     ref, _ = open_targets(f"{complete_run}/targets/targets.zarr")
     got, _ = open_targets(f"{run_copy}/targets/targets.zarr")
     for name in ("q", "alpha", "A", "topk_logprobs", "topk_ids", "token_ids", "positions", "pair_offsets"):
-        assert np.allclose(got[name][:], ref[name][:], atol=1e-5), name
+        a, b = got[name][:], ref[name][:]  # resumed in another batch packing: floats to the reordering bound
+        assert close_reordered(a, b, name=name) if b.dtype.kind == "f" else np.array_equal(a, b), name
     assert outputs(run_copy)["targets"]["pairs.parquet"] == outputs(complete_run)["targets"]["pairs.parquet"]
 
 

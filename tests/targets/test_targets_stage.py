@@ -10,6 +10,7 @@ from nectar.schemas import DatasetRow, TargetsConfig, TargetsPairRow
 from nectar.stages import targets as targets_stage
 from nectar.tables import ArtifactError, read_table
 from nectar.targets.store import open_targets
+from float_tolerance import FORWARD, close_reordered
 
 
 def _rows(k=5):
@@ -75,9 +76,10 @@ def test_targets_match_independent_computation_and_validate(fixture, request, do
         for layer in range(base.num_layers):
             alpha, A, q = _independent_alpha_A(base, layout, ids, layer)
             sl = slice(p.start, p.start + p.length)
-            assert np.allclose(g["alpha"][sl][:, layer], alpha.numpy(), atol=1e-4)
-            assert np.allclose(g["A"][sl][:, layer], A.numpy(), atol=1e-4)
-            assert np.allclose(g["q"][sl][:, layer], q.numpy(), atol=1e-4)
+            # packed batches against one sequence alone: the same forward in another packing
+            assert close_reordered(g["alpha"][sl][:, layer], alpha, FORWARD)
+            assert close_reordered(g["A"][sl][:, layer], A, FORWARD)
+            assert close_reordered(g["q"][sl][:, layer], q, FORWARD)
     p = pairs[2]
     ids = g["token_ids"][p.start:p.start + p.length].tolist()
     # teacher top-k are the full-context model's log-probs
@@ -89,7 +91,7 @@ def test_targets_match_independent_computation_and_validate(fixture, request, do
     kl = np.zeros(p.length, dtype=bool)
     kl[max(p.response_start - 1, 0): p.length - 1] = True
     assert kl.any() and not kl.all()
-    assert np.allclose(top[kl], ref.topk(4, -1).values.numpy()[kl], atol=1e-4)
+    assert close_reordered(top[kl], ref.topk(4, -1).values.numpy()[kl], FORWARD)
     assert (top[~kl] == 0).all()
     assert (g["topk_ids"][p.start:p.start + p.length][kl] == ref.topk(4, -1).indices.numpy()[kl]).mean() > 0.9
     mask = g["response_mask"][p.start:p.start + p.length]

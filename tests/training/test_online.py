@@ -3,7 +3,6 @@ same losses and parameters as training on the cached targets, for the same seed 
 tolerance: the two compute the same rows in different packings)."""
 import numpy as np
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from nectar.schemas.artifacts import TrainLogRow
@@ -12,6 +11,7 @@ from nectar.stages.train import TrainInputError, train
 from nectar.tables import read_table
 from nectar.targets.online import OnlineTargets
 from nectar.training.data import TargetsData
+from float_tolerance import assert_close_reordered, assert_trained_close
 from targets_fixture import DOC, make_targets
 
 MODULE = ModuleConfig(rho=0.25, depths=(0, 2, 2))
@@ -31,8 +31,8 @@ def test_online_rows_equal_the_cached_rows(tiny_llama, tiny_targets, online_targ
     online.attach_values(source)
     idx = np.array([40, 3, 17, 18, 3, cached.header.n_tokens - 1])  # any order, repeats, several pairs
     a, b = cached.rows(idx), online.rows(idx)
-    for name in ("q", "alpha", "A"):
-        assert torch.allclose(getattr(a, name), getattr(b, name), atol=1e-5), name
+    for name in ("q", "alpha", "A"):  # one forward of the same rows in another packing
+        assert_close_reordered(getattr(b, name), getattr(a, name), name=name)
     # only the pairs holding requested tokens ran, each up to its last requested token
     pairs = np.searchsorted(cached.offsets, idx, side="right") - 1
     assert source.tokens_run == sum(int(idx[pairs == p].max()) + 1 - int(cached.offsets[p]) for p in set(pairs))
@@ -49,11 +49,14 @@ def test_online_and_cached_training_give_equal_losses(regime, tiny_llama, tiny_t
     assert counts["steps"] == cfg.samples // cfg.batch_size
     logs = [read_table(str(tmp_path / k / "train_log.parquet"), TrainLogRow) for k in ("cached", "online")]
     assert [(r.step, r.split) for r in logs[0]] == [(r.step, r.split) for r in logs[1]]
-    for a, b in zip(*logs):
+    for a, b in zip(*logs):  # the property users see: the same losses at every logged step
         for field in ("loss", "loss_alpha", "loss_A", "loss_kl"):
             assert getattr(a, field) == pytest.approx(getattr(b, field), rel=1e-4, abs=1e-7), (a.step, field)
     pa, pb = (load_file(str(tmp_path / k / "module.safetensors")) for k in ("cached", "online"))
-    assert all(torch.allclose(pa[k], pb[k], rtol=1e-3, atol=1e-5) for k in pa)
+    # Bit-level agreement of trained tensors is not a property: Adam amplifies rounding-size gradient
+    # differences at near-zero gradients (one element of 2 x 16 x 33 differed by 1.5e-5 on an Intel
+    # AVX512 machine). Bound by what the optimizer can do instead (float_tolerance.py).
+    assert_trained_close(pb, pa, steps=counts["steps"], lr=cfg.peak_lr)
 
 
 def test_online_targets_need_the_document_kv(tiny_llama, online_targets, tmp_path):
