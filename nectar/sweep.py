@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .orchestration import RunContext, read_eval_tables
-from .runs import RunDir, now, slug
+from .orchestration.executor import RunDir, now, slug
 from .schemas.artifacts import RunManifest
 from .schemas.base import stable_hash
 from .schemas.config import PipelineConfig
@@ -95,7 +95,7 @@ def prepare_variant(parent: RunContext, variant: Variant) -> RunContext:
 
 
 def parent_code_version() -> str:
-    from .runs import CODE_VERSION
+    from .orchestration.executor import CODE_VERSION
 
     return CODE_VERSION
 

@@ -33,7 +33,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
         ),
     ),
     ("stages", frozenset({"stages"})),
-    ("orchestration", frozenset({"orchestration", "comparison", "runs", "sweep"})),
+    ("orchestration", frozenset({"orchestration", "comparison", "sweep"})),
     ("pipeline", frozenset({"pipeline"})),
 )
 

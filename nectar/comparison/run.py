@@ -26,7 +26,7 @@ from ..evaluation.selection import evaluated_splits, select_pairs
 from ..modules.budget import BudgetError
 from ..modules.builder import ModulePlan, plan_from_config
 from ..orchestration.context import RunContext, StageInputError, load_base, load_run_doc_kv, open_run
-from ..runs import RunDir, now
+from ..orchestration.executor import RunDir, now
 from ..schemas.artifacts import ComparisonRow, RunManifest, TargetsPairRow
 from ..schemas.config import PipelineConfig
 from ..schemas.presets import ConfigError

@@ -19,7 +19,7 @@ from prefect.runtime import flow_run
 
 from .. import orchestration
 from ..orchestration.readers import write_json
-from ..runs import record_failure
+from ..orchestration.executor import record_failure
 from .gpu_slots import doc_slot, gpu_slot
 from ..schemas.config import STAGES
 from ..schemas.presets import load_config

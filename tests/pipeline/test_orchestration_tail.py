@@ -3,7 +3,7 @@ written by hand (the LLM stages are covered by their own tests and the end-to-en
 import pytest
 
 from nectar import orchestration
-from nectar.runs import run_stage, stage_status
+from nectar.orchestration.executor import run_stage, stage_status
 from nectar.schemas import DatasetRow, load_config
 from nectar.tables import write_table
 
