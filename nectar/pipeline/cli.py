@@ -123,7 +123,7 @@ def sweep(
     with reported(debug, _error_line):
         from ..orchestration import check_run, run_lock
         from ..schemas.presets import load_config
-        from ..sweep import expand_variants, parse_grid
+        from ..comparison.sweep import expand_variants, parse_grid
 
         cfg = load_config(preset, config, None, set_)
         expand_variants(cfg, parse_grid(grid))

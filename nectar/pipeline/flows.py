@@ -179,7 +179,7 @@ def nectar_sweep(
     regime: str | None = None,
 ) -> dict[str, Any]:
     """Data stages once, then train + evaluate for every grid variant; one comparison table."""
-    from .. import sweep
+    from ..comparison import sweep
 
     config = load_config(preset, config_file, regime, overrides or [])
     variants = sweep.with_base(config, sweep.expand_variants(config, sweep.parse_grid(grid)))
