@@ -100,7 +100,7 @@ def random_smollm2(dtype: str, device: str, window: int):
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from nectar.models import BaseModel, _weights_fingerprint, cache_dir
+    from nectar.base_model import BaseModel, _weights_fingerprint, cache_dir
 
     path = cache_dir() / "models" / "smollm2-135m-instruct"
     config = LlamaConfig.from_pretrained(path)
@@ -118,7 +118,7 @@ def random_smollm2(dtype: str, device: str, window: int):
 
 
 def load_model(args):
-    from nectar.models import load_base_model
+    from nectar.base_model import load_base_model
     from nectar.schemas import ModelConfig
 
     if args.model == "random:smollm2":

@@ -12,7 +12,7 @@ from typing import Callable
 
 from .attention.engine import generate
 from .layout import PromptLayout
-from .models import BaseModel
+from .base_model import BaseModel
 from .modules.builder import NectarModule
 from .modules.provider import inference_provider
 

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load as st_load
 
 from ..integrity import write_stable_safetensors
-from ..models import BaseModel
+from ..base_model import BaseModel
 from ..storage import atomic_write
 
 

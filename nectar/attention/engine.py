@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..models import BaseModel
+from ..base_model import BaseModel
 from .interface import DocStateProvider, nectar_attention
 from .local_cache import LocalKV
 from .sampling import SamplingParams, sample

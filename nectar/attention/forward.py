@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..models import BaseModel
+from ..base_model import BaseModel
 from .interface import DocStateProvider, nectar_attention
 
 

@@ -26,7 +26,7 @@ import torch
 from ..attention.doc_kv import prefill_document
 from ..attention.engine import DecodeEngine, GenerationResult, Request
 from ..attention.exact import ExactDocState
-from ..models import BaseModel
+from ..base_model import BaseModel
 from ..modules.budget import BudgetError
 from ..modules.builder import ModulePlan, build_module, plan_module
 from ..modules.provider import inference_provider

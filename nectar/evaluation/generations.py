@@ -13,7 +13,7 @@ from typing import Callable
 
 from ..attention.engine import DecodeEngine, Request
 from ..layout import PromptLayout
-from ..models import BaseModel
+from ..base_model import BaseModel
 from ..schemas.artifacts import GenerationRow
 from ..schemas.config import EvaluateConfig
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from ..models import BaseModel, embedder_path
+from ..base_model import BaseModel, embedder_path
 from ..schemas.config import EvaluateConfig
 from .agreement import agreement_scores, greedy_continuations, sentence_embedder
 from .quality import SystemQuality, split_quality

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ..attention.forward import query_logits
-from ..models import BaseModel
+from ..base_model import BaseModel
 from .metrics import HeadErrors, TokenSums, layer_head_errors, response_targets, scored_sums
 
 MODELS = ("module", "full", "none")

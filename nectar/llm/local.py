@@ -22,7 +22,7 @@ import torch
 
 from ..attention.engine import DecodeEngine, Request
 from ..attention.exact import ExactDocState
-from ..models import BaseModel
+from ..base_model import BaseModel
 from .grammar import SchemaGrammar
 from .parsing import find_json
 from .prefix import PrefixCacheLRU, PrefixKV, common_prefix_len, prefill

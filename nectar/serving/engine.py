@@ -17,7 +17,7 @@ import random
 from collections.abc import Hashable
 
 from ..attention.engine import DecodeEngine, Request
-from ..models import BaseModel
+from ..base_model import BaseModel
 from .job import Job, SamplingParams
 
 

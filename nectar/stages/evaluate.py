@@ -35,7 +35,7 @@ from ..evaluation.scoring import score_providers
 from ..evaluation.selection import EvaluateInputError, Selection, evaluated_splits, select_pairs
 from ..evaluation.teacher import head_errors
 from ..layout import PromptLayout
-from ..models import BaseModel
+from ..base_model import BaseModel
 from ..modules.builder import ModulePlan, NectarModule
 from ..modules.provider import ModuleDocState, inference_provider
 from ..schemas.artifacts import (ChunkRow, DatasetRow, GenerationRow, JudgmentRow, MetricsRow,

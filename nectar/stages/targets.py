@@ -21,7 +21,7 @@ import torch
 from ..attention.doc_kv import DocKV
 from ..attention.exact import ExactDocState
 from ..layout import PromptLayout
-from ..models import BaseModel
+from ..base_model import BaseModel
 from ..schemas.artifacts import SPLIT_CODES, DatasetRow, TargetsHeader, TargetsPairRow
 from ..schemas.config import TargetsConfig
 from ..tables import write_table

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..models import BaseModel
+from ..base_model import BaseModel
 from ..modules.builder import NectarModule, build_module, plan_from_config
 from ..modules.io import make_spec, save_module
 from ..schemas.artifacts import TargetsHeader, TrainLogRow

@@ -17,7 +17,7 @@ import torch
 from ..attention.interface import nectar_attention
 from ..attention.exact import ExactDocState
 from ..attention.state import AttnState
-from ..models import BaseModel
+from ..base_model import BaseModel
 
 # LM-head rows per step: a [rows, V] logit block stays cache-sized instead of one [T, V] tensor
 # (49k vocabulary x 750 tokens is 147 MB, written and re-read three times by topk/logsumexp).

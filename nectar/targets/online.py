@@ -19,7 +19,7 @@ import torch
 
 from ..attention.doc_kv import DocKV
 from ..attention.exact import ExactDocState
-from ..models import BaseModel
+from ..base_model import BaseModel
 from ..training.data import TargetsData, TokenBatch
 from .capture import capture_packed
 
