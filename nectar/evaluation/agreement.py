@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..attention.engine import generate
-from ..base_model import BaseModel
+from ..base_model import BaseLM
 from .rouge import rouge_l
 
 Embed = Callable[[list[str]], np.ndarray]  # texts → unit-norm embeddings [N, e]
@@ -33,7 +33,7 @@ class AgreementScores:
 
 
 def greedy_continuations(
-    base: BaseModel,
+    base: BaseLM,
     n: int,
     providers: dict[str, Callable | None],
     prompts: Sequence[Sequence[int]],

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..layout import PromptLayout
-from ..base_model import BaseModel
+from ..base_model import BaseLM
 from ..modules.builder import NectarModule
 from ..schemas.artifacts import ModuleSpec
 from .limits import GenerationDefaults
@@ -20,7 +20,7 @@ from .limits import GenerationDefaults
 class ServedModule:
     name: str  # the model id clients send
     run_dir: str
-    base: BaseModel
+    base: BaseLM
     module: NectarModule
     spec: ModuleSpec
     layout: PromptLayout
