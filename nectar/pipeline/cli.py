@@ -200,7 +200,7 @@ def ask(
     debug: bool = typer.Option(False, "--debug", help="Show the traceback of an error."),
 ) -> None:
     """Answer a question from the trained module, without the document in the context (streams)."""
-    from ..ask import ask as ask_module
+    from ..serving.ask import ask as ask_module
     from .errors import reported
 
     with reported(debug, _error_line):
