@@ -14,6 +14,7 @@ from rich.table import Table
 
 from ..schemas.config import STAGES
 from . import deploy as ops
+from . import operations
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="NECTAR: per-document modules that replace attention over a long document's KV cache.")
@@ -366,7 +367,7 @@ def trigger_cmd(
 ) -> None:
     """Start a pipeline run for a document through the Prefect server (a worker executes it)."""
     try:
-        _report(ops.trigger(document, preset, config, override, run_dir, from_stage, only_stage, force),
+        _report(operations.trigger(document, preset, config, override, run_dir, from_stage, only_stage, force),
                 wait, timeout)
     except Exception as exc:
         _fail(exc)
@@ -387,7 +388,7 @@ def rerun_cmd(
 
             typer.echo(nectar_stage(run_dir=run_dir, stage=stage, force=True))
             return
-        _report(ops.rerun_stage(run_dir, stage), wait, timeout)
+        _report(operations.rerun_stage(run_dir, stage), wait, timeout)
     except Exception as exc:
         _fail(exc)
 
@@ -400,7 +401,7 @@ def retry_cmd(
 ) -> None:
     """Retry a failed pipeline run with the same parameters (completed stages are skipped)."""
     try:
-        _report(ops.retry_flow_run(flow_run), wait, timeout)
+        _report(operations.retry_flow_run(flow_run), wait, timeout)
     except Exception as exc:
         _fail(exc)
 
@@ -411,7 +412,7 @@ def _report(flow_run, wait: bool, timeout: float) -> None:
         return
     from .server_status import summary_lines
 
-    done = ops.wait_for_run(flow_run.id, timeout)
+    done = operations.wait_for_run(flow_run.id, timeout)
     for line in summary_lines(done.id):
         typer.echo(f"  {line}")
     typer.echo(f"flow run {done.name}: {done.state.name}")
