@@ -280,7 +280,6 @@ def test_imports_point_down_the_layers():
     )
 
 
-@pytest.mark.xfail(strict=True, reason="issue 20 in progress")
 def test_every_cited_markdown_file_and_section_exists():
     found = broken_references()
     assert not found, "\n".join(found)

@@ -1,4 +1,4 @@
-"""Equal-bytes baselines: what else could live in the bytes of a module of budget ρ (DESIGN.md §11).
+"""Equal-bytes baselines: what else could live in the bytes of a module of budget ρ (docs/design.md §11).
 
 Each is an exact-attention state over p stored (key, value) pairs per (layer, KV head) — optionally
 with a log-mass bias β per pair — which is exactly a quadrature module (``nectar.modules.quadrature``):

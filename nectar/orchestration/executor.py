@@ -1,4 +1,4 @@
-"""Run directories, stage manifests and cache-keyed stage execution (DESIGN.md §4).
+"""Run directories, stage manifests and cache-keyed stage execution (docs/design.md §4).
 
     runs/<doc-id>/<run-id>/
         run.json                 RunManifest
