@@ -52,12 +52,7 @@ class FittedBaseline:
 
     @property
     def nbytes(self) -> int:
-        return module_nbytes(self.module)
-
-
-def module_nbytes(module: NectarModule) -> int:
-    """Bytes of everything a module stores (parameters and buffers), as ``make_spec`` counts them."""
-    return sum(t.numel() * t.element_size() for t in module.state_dict().values())
+        return self.module.nbytes()
 
 
 def baseline_plan(name: str, plan: ModulePlan) -> ModulePlan:
