@@ -14,6 +14,7 @@ from rich.table import Table
 
 from ..schemas.config import STAGES
 from . import deploy as ops
+from . import operations
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="NECTAR: per-document modules that replace attention over a long document's KV cache.")
@@ -123,7 +124,7 @@ def sweep(
     with reported(debug, _error_line):
         from ..orchestration import check_run, run_lock
         from ..schemas.presets import load_config
-        from ..sweep import expand_variants, parse_grid
+        from ..comparison.sweep import expand_variants, parse_grid
 
         cfg = load_config(preset, config, None, set_)
         expand_variants(cfg, parse_grid(grid))
@@ -177,7 +178,7 @@ def status(run_dir: str = typer.Argument(..., help="A run directory, or a folder
 
     ``stale``: completed, but an input or output changed since (every output byte is checked);
     the next `nectar run` redoes it."""
-    from ..runs import RunDir
+    from ..orchestration.executor import RunDir
 
     if RunDir(run_dir).exists("run.json"):
         _print_status(run_dir)
@@ -200,7 +201,7 @@ def ask(
     debug: bool = typer.Option(False, "--debug", help="Show the traceback of an error."),
 ) -> None:
     """Answer a question from the trained module, without the document in the context (streams)."""
-    from ..ask import ask as ask_module
+    from ..serving.ask import ask as ask_module
     from .errors import reported
 
     with reported(debug, _error_line):
@@ -250,7 +251,7 @@ def serve_cmd(
 
 def _print_status(run_dir: str) -> None:
     from ..orchestration import available_stages
-    from ..runs import RunDir, stage_status
+    from ..orchestration.executor import RunDir, stage_status
 
     run = RunDir(run_dir)
     avail = set(available_stages())
@@ -288,7 +289,7 @@ def _print_comparison(run) -> None:
                     soft_wrap=True)
 
 
-# ----- operations against a Prefect server: deploy / schedule / trigger / rerun / retry (deploy.py) -----
+# ----- operations against a Prefect server: deploy / schedule / trigger / rerun / retry (deploy.py, operations.py) -----
 
 _OVERRIDE = typer.Option(None, "--override", "-o", help="section.key=value (repeatable)")
 
@@ -366,7 +367,7 @@ def trigger_cmd(
 ) -> None:
     """Start a pipeline run for a document through the Prefect server (a worker executes it)."""
     try:
-        _report(ops.trigger(document, preset, config, override, run_dir, from_stage, only_stage, force),
+        _report(operations.trigger(document, preset, config, override, run_dir, from_stage, only_stage, force),
                 wait, timeout)
     except Exception as exc:
         _fail(exc)
@@ -387,7 +388,7 @@ def rerun_cmd(
 
             typer.echo(nectar_stage(run_dir=run_dir, stage=stage, force=True))
             return
-        _report(ops.rerun_stage(run_dir, stage), wait, timeout)
+        _report(operations.rerun_stage(run_dir, stage), wait, timeout)
     except Exception as exc:
         _fail(exc)
 
@@ -400,7 +401,7 @@ def retry_cmd(
 ) -> None:
     """Retry a failed pipeline run with the same parameters (completed stages are skipped)."""
     try:
-        _report(ops.retry_flow_run(flow_run), wait, timeout)
+        _report(operations.retry_flow_run(flow_run), wait, timeout)
     except Exception as exc:
         _fail(exc)
 
@@ -411,7 +412,7 @@ def _report(flow_run, wait: bool, timeout: float) -> None:
         return
     from .server_status import summary_lines
 
-    done = ops.wait_for_run(flow_run.id, timeout)
+    done = operations.wait_for_run(flow_run.id, timeout)
     for line in summary_lines(done.id):
         typer.echo(f"  {line}")
     typer.echo(f"flow run {done.name}: {done.state.name}")
