@@ -7,8 +7,9 @@ values (64 by default; a last dimension shorter than ``group`` is one group); ea
     code = clamp(round((x - zero) / scale), 0, 2**bits - 1)        x_hat = code * scale + zero
 
 with ``zero`` the group minimum rounded down to fp16 and ``scale`` = (max - zero) / (2**bits - 1)
-rounded up to fp16, so every value lies inside the code range and ``|x - x_hat| <= scale / 2`` (up to
-float32 rounding of the arithmetic). Codes are packed ``8 // bits`` to a byte along the last dimension,
+rounded to the nearest fp16 (up when the top value would fall more than half a step outside the code
+range), so ``|x - x_hat| <= scale / 2`` (up to float32 rounding of the arithmetic). Values already on
+a grid quantize back to themselves, so a stored state re-saved or served from its codes is unchanged. Codes are packed ``8 // bits`` to a byte along the last dimension,
 code ``i`` of a byte in bits ``[i*bits, (i+1)*bits)``. A last dimension that is not a multiple of the
 group is padded (with the group's own last value) up to one, and the padding is counted in the bytes.
 
@@ -142,7 +143,9 @@ def quantize(x: torch.Tensor, bits: int, group: int = DEFAULT_GROUP) -> Quantize
     qmax = (1 << bits) - 1
     zeros = _fp16_down(xg.amin(dim=-1))  # [*lead, groups]
     span = xg.amax(dim=-1) - zeros.float()
-    scales = _fp16_up((span / qmax).clamp_min(_FP16_TINY))
+    scales = (span / qmax).clamp_min(_FP16_TINY).to(torch.float16)  # nearest: keeps on-grid values fixed
+    short = span > (qmax + 0.5) * scales.float()  # top value would clamp by more than half a step
+    scales = torch.where(short, _fp16_up(span / qmax), scales)
     codes = torch.round((xg - zeros.float().unsqueeze(-1)) / scales.float().unsqueeze(-1))
     codes = codes.clamp_(0, qmax).to(torch.uint8).reshape(*xg.shape[:-2], -1)  # [*lead, groups * g]
     return QuantizedTensor(_pack(codes, bits), scales, zeros, bits, group, tuple(x.shape))

@@ -77,3 +77,10 @@ def test_int4_packs_two_codes_a_byte_low_nibble_first():
     assert torch.equal(dequantize(q), x)
     q2 = quantize(torch.tensor([[0.0, 1.0, 2.0, 3.0]]), 2)
     assert q2.codes.shape == (1, 1) and q2.codes.item() == 0 | 1 << 2 | 2 << 4 | 3 << 6
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_values_on_the_grid_quantize_back_to_themselves(bits):
+    x = torch.randn(6, 128, generator=torch.Generator().manual_seed(bits)) * 5
+    once = fake_quantize(x, bits)
+    assert torch.equal(fake_quantize(once, bits), once)
