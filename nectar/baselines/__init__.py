@@ -69,8 +69,8 @@ def baseline_plan(name: str, plan: ModulePlan, bits: int | None = None) -> Modul
     bits = plan.bits if bits is None else bits
     d, n, g = plan.head_dim, plan.n_context, plan.quant_group
     bias = name == "attention_matching"
-    if name == "truncate":  # same tokens in every layer: the mean per-head bytes, 4·ρ·2nd
-        p = max(1, min(n, pairs_in_bytes(4 * round(plan.rho * n) * 2 * d, d, False, bits, g)))
+    if name == "truncate":  # same tokens in every layer: the mean per-head bytes, 4·ρ·2nd (float32 KV)
+        p = max(1, min(n, pairs_in_bytes(4 * plan.rho * n * 2 * d * (1 + 1e-9), d, False, bits, g)))
         pairs = (p,) * plan.num_layers
     else:
         pairs = tuple(max(1, min(n, pairs_in_bytes(4 * b, d, bias, bits, g))) for b in plan.budgets)
