@@ -27,8 +27,10 @@ from typing import Literal
 import torch
 
 from ..attention.state import AttnState
+from ..modules.budget import pairs_in_bytes
 from ..modules.builder import ModulePlan, NectarModule, build_module
 from ..modules.provider import ModuleDocState
+from ..modules.stored import quantize_module_, stored_nbytes
 from .init import MAX_FIT_TOKENS, QueryTargets, init_quadrature, training_queries  # noqa: F401
 from .selection import KeyScore
 
@@ -52,30 +54,33 @@ class FittedBaseline:
 
     @property
     def nbytes(self) -> int:
-        return self.module.nbytes()
+        """Bytes as stored (codes, fp16 scales and zeros at bits < 32; β and buffers included)."""
+        return stored_nbytes(self.module)
 
 
-def baseline_plan(name: str, plan: ModulePlan) -> ModulePlan:
-    """The quadrature plan of baseline ``name`` in the budget of ``plan`` (any arch, same ρ)."""
+def baseline_plan(name: str, plan: ModulePlan, bits: int | None = None) -> ModulePlan:
+    """The quadrature plan of baseline ``name`` in the bytes of ``plan`` (any arch, same ρ), its pairs
+    stored at ``bits`` (default the plan's): 4·P bytes per head buy ~7× more pairs at int4 than fp32."""
     if name not in BASELINES:
         raise ValueError(f"unknown baseline {name!r}; choose one of {', '.join(BASELINES)}")
-    d, n = plan.head_dim, plan.n_context
-    if name == "truncate":
-        p = max(1, min(n, round(plan.rho * n)))  # same tokens in every layer
+    bits = plan.bits if bits is None else bits
+    d, n, g = plan.head_dim, plan.n_context, plan.quant_group
+    bias = name == "attention_matching"
+    if name == "truncate":  # same tokens in every layer: the mean per-head bytes, 4·ρ·2nd (float32 KV)
+        p = max(1, min(n, pairs_in_bytes(4 * plan.rho * n * 2 * d * (1 + 1e-9), d, False, bits, g)))
         pairs = (p,) * plan.num_layers
     else:
-        per_pair = 2 * d + (1 if name == "attention_matching" else 0)
-        pairs = tuple(max(1, min(n, b // per_pair)) for b in plan.budgets)
-    return dataclasses.replace(plan, arch="quadrature", quad_pairs=pairs, mlp_widths=(),
-                               quad_bias=name == "attention_matching")
+        pairs = tuple(max(1, min(n, pairs_in_bytes(4 * b, d, bias, bits, g))) for b in plan.budgets)
+    return dataclasses.replace(plan, arch="quadrature", quad_pairs=pairs, mlp_widths=(), quad_bias=bias, bits=bits)
 
 
 def fit_baseline(name: str, doc_kv, targets_url: str, plan: ModulePlan, seed: int = 0,
-                 score: KeyScore = "mean", max_tokens: int | None = None) -> FittedBaseline:
-    """Fit baseline ``name`` on the document KV and the targets' training queries (seconds)."""
-    qplan = baseline_plan(name, plan)
+                 score: KeyScore = "mean", max_tokens: int | None = None, bits: int | None = None) -> FittedBaseline:
+    """Fit baseline ``name`` on the document KV and the targets' training queries (seconds), stored
+    at ``bits`` (default the plan's)."""
+    qplan = baseline_plan(name, plan, bits)
     module = build_module(qplan)
     init = {"truncate": "first", "evict": "evict", "attention_matching": "attention_matching"}[name]
     data = None if init == "first" else training_queries(targets_url, seed, max_tokens or MAX_FIT_TOKENS)
     init_quadrature(module, qplan, init, doc_kv, data, score)
-    return FittedBaseline(name, module.eval(), qplan)
+    return FittedBaseline(name, quantize_module_(module).eval(), qplan)

@@ -11,6 +11,7 @@ import torch
 
 from ..modules.builder import ModulePlan, NectarModule
 from ..modules.provider import group_queries
+from ..quantization import fake_quantize
 from ..targets.reader import TargetsData
 from ..targets.store import targets_zarr_url
 from .attention_matching import fit_log_mass, fit_values
@@ -48,7 +49,10 @@ def training_queries(targets, seed: int = 0, max_tokens: int | None = None) -> Q
 def init_quadrature(module: NectarModule, plan: ModulePlan, init: str, doc_kv, data: QueryTargets | None,
                     score: KeyScore = "mean") -> None:
     """Set every quadrature layer's (W, Z, β) from the document KV: the first p rows (``first``), the
-    p most-attended rows (``evict``), or those rows with Attention Matching's β and values."""
+    p most-attended rows (``evict``), or those rows with Attention Matching's β and values.
+
+    At ``plan.bits`` < 32 the Attention Matching fit is aware of the rounding: β is fitted to the
+    masses of the quantized keys, and the values to the attention of the quantized keys and β."""
     if plan.arch != "quadrature":
         raise ValueError(f"init {init!r} is for quadrature modules, not {plan.arch!r}")
     if init not in ("first", "evict", "attention_matching"):
@@ -58,6 +62,10 @@ def init_quadrature(module: NectarModule, plan: ModulePlan, init: str, doc_kv, d
     if init != "first" and data is None:
         raise ValueError(f"init {init!r} needs the training queries' targets")
     hkv = plan.num_kv_heads
+
+    def quant(x: torch.Tensor) -> torch.Tensor:  # rows as stored (quantized along the last dim)
+        return fake_quantize(x, plan.bits, plan.quant_group)
+
     for layer, net in enumerate(module.layers):
         keys = doc_kv.keys[layer].detach().float().cpu()  # [Hkv, n, d]
         values = doc_kv.values[layer].detach().float().cpu()
@@ -75,8 +83,9 @@ def init_quadrature(module: NectarModule, plan: ModulePlan, init: str, doc_kv, d
             if init == "evict":
                 W.append(keys[h, idx]), Z.append(values[h, idx]), B.append(torch.zeros(p))
                 continue
-            mass = probs[:, idx]  # [T·g, p]
-            beta = fit_log_mass(mass)
-            W.append(keys[h, idx]), Z.append(fit_values(mass, beta, A[:, h], values[h, idx]).float())
-            B.append(beta.float())
+            Wh = quant(keys[h, idx])  # [p, d]: the keys as they will be stored
+            mass = attention_probs(q[:, h], alpha[:, h], Wh, plan.scaling) if plan.bits < 32 else probs[:, idx]
+            beta = quant(fit_log_mass(mass).float())  # [p]
+            W.append(Wh), Z.append(quant(fit_values(mass, beta, A[:, h], values[h, idx]).float()))
+            B.append(beta)
         net.set_pairs(torch.stack(W), torch.stack(Z), torch.stack(B) if plan.quad_bias else None)

@@ -30,6 +30,7 @@ from ..base_model import BaseLM
 from ..modules.budget import BudgetError
 from ..modules.builder import ModulePlan, build_module, plan_module
 from ..modules.provider import inference_provider
+from ..modules.stored import stored_nbytes
 from ..schemas.artifacts import BenchmarkRow
 from .memory import track_peak_memory
 
@@ -82,7 +83,7 @@ def same_architecture(base: BaseLM, plan: ModulePlan, seed: int = 0) -> ModuleFa
             kv = prefill_document(base, list(context_ids)[: max(p.quad_pairs)])
             keys, values = kv.keys, kv.values
         module = build_module(p, keys, values, seed=seed).to(device=base.device, dtype=base.dtype).eval()
-        nbytes = module.nbytes()
+        nbytes = stored_nbytes(module)
         note = f"random-init {p.arch} module of the same architecture (rho={p.rho:g}); timing only"
         return BenchModule(inference_provider(module, base.dtype), nbytes, note)
 

@@ -144,20 +144,26 @@ def compare(
     run_dir: str = typer.Argument(..., help="A run directory whose data stages (chunk → targets) completed."),
     rho: Optional[str] = typer.Option(None, "--rho", help="Further budgets, e.g. 0.02,0.05,0.10 (the run's ρ is "
                                                           "always compared)."),
+    bytes_: Optional[str] = typer.Option(None, "--bytes", help="Budgets as fractions of the document KV's bytes "
+                                          "at the model's KV dtype (float32 on the cpu preset, bfloat16 on GPU), "
+                                          "e.g. 0.01,0.02,0.05: each system stores as many entries as its "
+                                          "precision buys in those bytes."),
     systems: Optional[str] = typer.Option(
-        None, "--systems", help="Comma-separated subset (default: every system: none, full, regression, mixed, "
-                                "distill, cartridges, matching, truncate, evict, attention_matching)."),
+        None, "--systems", help="Comma-separated subset (default: every system but the opt-in matching@int8/int4: "
+                                "none, full, regression, mixed, distill, cartridges, matching, truncate, evict, "
+                                "attention_matching, and each baseline @int8 and @int4)."),
 ) -> None:
     """Every system at equal bytes on the run's held-out pairs: trains what is missing, writes
     RUN_DIR/compare/comparison.{parquet,md} and frontier.png."""
     _quiet_prefect()
-    from ..comparison import CompareInputError, open_for_compare, parse_rhos, validate
+    from ..comparison import CompareInputError, open_for_compare, parse_bytes, parse_rhos, validate
     from . import flows
 
     names = [s.strip() for s in systems.split(",") if s.strip()] if systems else None
     try:  # fail fast, before Prefect starts or anything trains
-        rhos = parse_rhos(rho)
-        validate(open_for_compare(run_dir), names, rhos)
+        ctx = open_for_compare(run_dir)
+        rhos = list(dict.fromkeys(parse_rhos(rho) + parse_bytes(bytes_, ctx.config.model.dtype)))
+        validate(ctx, names, rhos)
     except CompareInputError as exc:
         console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
         raise typer.Exit(2)

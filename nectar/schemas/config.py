@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from .base import FrozenConfig, resource
+from .base import FrozenConfig, added_setting, resource
 
 SynthesisTask = Literal["qa", "summarization", "quoting", "paraphrasing"]
 TASK_TYPES: tuple[SynthesisTask, ...] = ("qa", "summarization", "quoting", "paraphrasing")
@@ -168,6 +168,11 @@ class ModuleConfig(FrozenConfig):
     # quadrature only: how (W, Z, β) start — the first p document rows, the p most-attended rows per
     # head (evict), or those rows with fitted β and values (attention_matching); see nectar.baselines
     init: Literal["first", "evict", "attention_matching"] = "first"
+    # storage precision of the module's parameters: 32 = float32; 8/4/2 = asymmetric integer codes with
+    # an fp16 scale and zero per group of ``quant_group`` values (nectar/quantization.py). ρ stays a share
+    # of the float32 document KV's BYTES, so a lower precision buys more pairs / a wider network.
+    bits: Literal[32, 8, 4, 2] = added_setting(32)
+    quant_group: int = added_setting(64, ge=4)
 
 
 # Settings that no longer exist, and why: a config that sets one is refused with this reason
