@@ -145,7 +145,9 @@ def compare(
                                                           "always compared)."),
     systems: Optional[str] = typer.Option(
         None, "--systems", help="Comma-separated subset (default: every system: none, full, regression, mixed, "
-                                "distill, cartridges, matching, truncate, evict, attention_matching)."),
+                                "distill, cartridges, matching, truncate, evict, attention_matching); kvpress presses by name: "
+                                "kvpress:kvzip, kvpress:snapkv, …, kvpress:all, with :int8 / :int4 for quantized "
+                                "keys and values (run in a venv of their own, built on first use)."),
 ) -> None:
     """Every system at equal bytes on the run's held-out pairs: trains what is missing, writes
     RUN_DIR/compare/comparison.{parquet,md} and frontier.png."""
