@@ -28,8 +28,11 @@ import numpy as np
 import torch
 
 from ..attention.state import AttnState
+from ..modules.budget import pairs_in_bytes
 from ..modules.builder import ModulePlan, NectarModule, build_module
 from ..modules.provider import ModuleDocState, group_queries
+from ..modules.stored import quantize_module_, stored_nbytes
+from ..quantization import fake_quantize
 from .attention_matching import fit_log_mass, fit_values
 from .selection import KeyScore, attention_probs, key_scores, top_keys
 
@@ -54,38 +57,36 @@ class FittedBaseline:
 
     @property
     def nbytes(self) -> int:
-        return module_nbytes(self.module)
+        """Bytes as stored (codes, fp16 scales and zeros at bits < 32; β and buffers included)."""
+        return stored_nbytes(self.module)
 
 
-def module_nbytes(module: NectarModule) -> int:
-    """Bytes of everything a module stores (parameters and buffers), as ``make_spec`` counts them."""
-    return sum(t.numel() * t.element_size() for t in module.state_dict().values())
-
-
-def baseline_plan(name: str, plan: ModulePlan) -> ModulePlan:
-    """The quadrature plan of baseline ``name`` in the budget of ``plan`` (any arch, same ρ)."""
+def baseline_plan(name: str, plan: ModulePlan, bits: int | None = None) -> ModulePlan:
+    """The quadrature plan of baseline ``name`` in the bytes of ``plan`` (any arch, same ρ), its pairs
+    stored at ``bits`` (default the plan's): 4·P bytes per head buy ~7× more pairs at int4 than fp32."""
     if name not in BASELINES:
         raise ValueError(f"unknown baseline {name!r}; choose one of {', '.join(BASELINES)}")
-    d, n = plan.head_dim, plan.n_context
-    if name == "truncate":
-        p = max(1, min(n, round(plan.rho * n)))  # same tokens in every layer
+    bits = plan.bits if bits is None else bits
+    d, n, g = plan.head_dim, plan.n_context, plan.quant_group
+    bias = name == "attention_matching"
+    if name == "truncate":  # same tokens in every layer: the mean per-head bytes, 4·ρ·2nd
+        p = max(1, min(n, pairs_in_bytes(4 * round(plan.rho * n) * 2 * d, d, False, bits, g)))
         pairs = (p,) * plan.num_layers
     else:
-        per_pair = 2 * d + (1 if name == "attention_matching" else 0)
-        pairs = tuple(max(1, min(n, b // per_pair)) for b in plan.budgets)
-    return dataclasses.replace(plan, arch="quadrature", quad_pairs=pairs, mlp_widths=(),
-                               quad_bias=name == "attention_matching")
+        pairs = tuple(max(1, min(n, pairs_in_bytes(4 * b, d, bias, bits, g))) for b in plan.budgets)
+    return dataclasses.replace(plan, arch="quadrature", quad_pairs=pairs, mlp_widths=(), quad_bias=bias, bits=bits)
 
 
 def fit_baseline(name: str, doc_kv, targets_url: str, plan: ModulePlan, seed: int = 0,
-                 score: KeyScore = "mean", max_tokens: int | None = None) -> FittedBaseline:
-    """Fit baseline ``name`` on the document KV and the targets' training queries (seconds)."""
-    qplan = baseline_plan(name, plan)
+                 score: KeyScore = "mean", max_tokens: int | None = None, bits: int | None = None) -> FittedBaseline:
+    """Fit baseline ``name`` on the document KV and the targets' training queries (seconds), stored
+    at ``bits`` (default the plan's)."""
+    qplan = baseline_plan(name, plan, bits)
     module = build_module(qplan)
     init = {"truncate": "first", "evict": "evict", "attention_matching": "attention_matching"}[name]
     data = None if init == "first" else training_queries(targets_url, seed, max_tokens or MAX_FIT_TOKENS)
     init_quadrature(module, qplan, init, doc_kv, data, score)
-    return FittedBaseline(name, module.eval(), qplan)
+    return FittedBaseline(name, quantize_module_(module).eval(), qplan)
 
 
 @dataclass
@@ -120,7 +121,10 @@ def training_queries(targets, seed: int = 0, max_tokens: int | None = None) -> Q
 def init_quadrature(module: NectarModule, plan: ModulePlan, init: str, doc_kv, data: QueryTargets | None,
                     score: KeyScore = "mean") -> None:
     """Set every quadrature layer's (W, Z, β) from the document KV: the first p rows (``first``), the
-    p most-attended rows (``evict``), or those rows with Attention Matching's β and values."""
+    p most-attended rows (``evict``), or those rows with Attention Matching's β and values.
+
+    At ``plan.bits`` < 32 the Attention Matching fit is aware of the rounding: β is fitted to the
+    masses of the quantized keys, and the values to the attention of the quantized keys and β."""
     if plan.arch != "quadrature":
         raise ValueError(f"init {init!r} is for quadrature modules, not {plan.arch!r}")
     if init not in ("first", "evict", "attention_matching"):
@@ -130,6 +134,10 @@ def init_quadrature(module: NectarModule, plan: ModulePlan, init: str, doc_kv, d
     if init != "first" and data is None:
         raise ValueError(f"init {init!r} needs the training queries' targets")
     hkv = plan.num_kv_heads
+
+    def quant(x: torch.Tensor) -> torch.Tensor:  # rows as stored (quantized along the last dim)
+        return fake_quantize(x, plan.bits, plan.quant_group)
+
     for layer, net in enumerate(module.layers):
         keys = doc_kv.keys[layer].detach().float().cpu()  # [Hkv, n, d]
         values = doc_kv.values[layer].detach().float().cpu()
@@ -147,8 +155,9 @@ def init_quadrature(module: NectarModule, plan: ModulePlan, init: str, doc_kv, d
             if init == "evict":
                 W.append(keys[h, idx]), Z.append(values[h, idx]), B.append(torch.zeros(p))
                 continue
-            mass = probs[:, idx]  # [T·g, p]
-            beta = fit_log_mass(mass)
-            W.append(keys[h, idx]), Z.append(fit_values(mass, beta, A[:, h], values[h, idx]).float())
-            B.append(beta.float())
+            Wh = quant(keys[h, idx])  # [p, d]: the keys as they will be stored
+            mass = attention_probs(q[:, h], alpha[:, h], Wh, plan.scaling) if plan.bits < 32 else probs[:, idx]
+            beta = quant(fit_log_mass(mass).float())  # [p]
+            W.append(Wh), Z.append(quant(fit_values(mass, beta, A[:, h], values[h, idx]).float()))
+            B.append(beta)
         net.set_pairs(torch.stack(W), torch.stack(Z), torch.stack(B) if plan.quad_bias else None)

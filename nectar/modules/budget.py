@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..quantization import quantized_nbytes
+
 
 class BudgetError(ValueError):
     """A budget too small for the requested architecture (names the budget and the minimum)."""
@@ -113,6 +115,15 @@ class MLPLayerShapes:
         return self.backbone.n_params() + self.score.n_params() + self.target.n_params()
 
 
+def quantized_param_budget(budget: int, bits: int, group: int = 64) -> int:
+    """Parameters that fit the bytes of ``budget`` float32 parameters at ``bits`` per value plus an fp16
+    scale and zero per ``group`` values (the MLP's weight rows are ≥ ``group`` wide at useful budgets;
+    the exact stored bytes are counted from the tensors, ``NectarModule.stored_nbytes``)."""
+    if bits == 32:
+        return budget
+    return int(4 * budget // (bits / 8 + 4 / group))
+
+
 def mlp_layer_shapes(budget: int, head_dim: int, depths: tuple[int, int, int], score_fraction: float,
                      layer_norm: bool, layer: int) -> MLPLayerShapes:
     """Split a head's budget into backbone / score / target and solve each width.
@@ -143,11 +154,28 @@ def mlp_layer_shapes(budget: int, head_dim: int, depths: tuple[int, int, int], s
     return shapes
 
 
-def quadrature_pairs(budget: int, head_dim: int, n_context: int, layer: int, bias: bool = False) -> int:
+def quadrature_head_bytes(pairs: int, head_dim: int, bias: bool, bits: int, group: int) -> int:
+    """Stored bytes of one head's p pairs: W and Z [p, d] (quantized along d), β [p] if any."""
+    wz = 2 * quantized_nbytes((pairs, head_dim), bits, group)
+    return wz + (quantized_nbytes((pairs,), bits, group) if bias else 0)
+
+
+def pairs_in_bytes(nbytes: float, head_dim: int, bias: bool, bits: int = 32, group: int = 64) -> int:
+    """Most pairs (W, Z[, β]) of one head whose stored bytes fit ``nbytes`` (0 if not even one)."""
+    per_pair = quadrature_head_bytes(1, head_dim, False, bits, group) + (bits / 8 if bias else 0)
+    p = int(nbytes // per_pair)
+    while p > 0 and quadrature_head_bytes(p, head_dim, bias, bits, group) > nbytes:
+        p -= 1
+    return p
+
+
+def quadrature_pairs(budget: int, head_dim: int, n_context: int, layer: int, bias: bool = False,
+                     bits: int = 32, group: int = 64) -> int:
     """p = P / (2d) pairs (W, Z) per head, or P / (2d + 1) with a log-mass bias β per pair; at least
-    1 and at most n (they start as document rows)."""
+    1 and at most n (they start as document rows). ``budget`` P counts float32 parameters, i.e. 4·P
+    bytes: at ``bits`` < 32 p is the most pairs whose quantized bytes (codes, scales, zeros) fit 4·P."""
     per_pair = 2 * head_dim + (1 if bias else 0)
-    p = budget // per_pair
+    p = pairs_in_bytes(4 * budget, head_dim, bias, bits, group)
     if p < 1:
         raise BudgetError(f"layer {layer}: a quadrature head needs at least {per_pair} parameters "
                           f"(one (W, Z) pair) but the budget is {budget}; raise train.module.rho")

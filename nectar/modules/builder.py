@@ -14,7 +14,7 @@ from torch import nn
 
 from ..schemas.config import ModuleConfig
 from .budget import (MLPLayerShapes, SkipMLPShape, head_budget, layer_rhos, mlp_layer_shapes,
-                     quadrature_pairs)
+                     quadrature_pairs, quantized_param_budget)
 from .mlp import LayerMLP
 from .quadrature import LayerQuadrature
 
@@ -40,6 +40,8 @@ class ModulePlan:
     mlp_widths: tuple[tuple[int, int, int], ...] = ()  # per layer (w_b, w_s, w_t)
     quad_pairs: tuple[int, ...] = ()  # per layer p
     quad_bias: bool = False  # quadrature: a log-mass bias β per pair (p = P / (2d + 1))
+    bits: int = 32  # parameters stored at 32 (float32) or 8/4/2 bits per value (nectar/quantization.py)
+    quant_group: int = 64  # values per fp16 (scale, zero) along each parameter's last dim
 
     def mlp_shapes(self, layer: int) -> MLPLayerShapes:
         d, (d_b, d_s, d_t) = self.head_dim, self.depths
@@ -81,20 +83,25 @@ def plan_module(
     layer_norm: bool = False,
     normalize_targets: bool = True,
     quad_bias: bool = False,
+    bits: int = 32,
+    quant_group: int = 64,
 ) -> ModulePlan:
     rhos = layer_rhos(num_layers, rho, tuple(layer_multipliers))
     budgets = tuple(head_budget(r, n_context, head_dim) for r in rhos)
     common = dict(arch=arch, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                   n_context=n_context, scaling=float(scaling), rho=rho, layer_rhos=tuple(rhos),
                   budgets=budgets, depths=tuple(depths), residual=residual, layer_norm=layer_norm,
-                  score_fraction=score_fraction, normalize_targets=normalize_targets)
+                  score_fraction=score_fraction, normalize_targets=normalize_targets, bits=bits,
+                  quant_group=quant_group)
     if arch == "quadrature":
-        pairs = tuple(quadrature_pairs(b, head_dim, n_context, i, quad_bias) for i, b in enumerate(budgets))
+        pairs = tuple(quadrature_pairs(b, head_dim, n_context, i, quad_bias, bits, quant_group)
+                      for i, b in enumerate(budgets))
         return ModulePlan(**common, quad_pairs=pairs, quad_bias=quad_bias)
     if arch != "mlp":
         raise ValueError(f"unknown module arch {arch!r}; use 'mlp' or 'quadrature'")
     widths = []
     for i, b in enumerate(budgets):
+        b = quantized_param_budget(b, bits, quant_group)  # more, lower-precision parameters in the same bytes
         s = mlp_layer_shapes(b, head_dim, tuple(depths), score_fraction, layer_norm, i)
         widths.append((s.backbone.width, s.score.width, s.target.width))
     return ModulePlan(**common, mlp_widths=tuple(widths))
@@ -109,8 +116,9 @@ class NectarModule(nn.Module):
     """
 
     def __init__(self, layers: list[nn.Module], num_kv_heads: int, head_dim: int, scaling: float,
-                 closed_form: bool):
+                 closed_form: bool, bits: int = 32, quant_group: int = 64):
         super().__init__()
+        self.bits, self.quant_group = bits, quant_group  # storage precision of the parameters (modules/stored.py)
         self.layers = nn.ModuleList(layers)
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -165,7 +173,7 @@ def build_module(plan: ModulePlan, doc_keys: list[torch.Tensor] | None = None,
         else:
             layers.append(LayerMLP(plan.num_kv_heads, plan.mlp_shapes(i), plan.residual, gen))
     return NectarModule(layers, plan.num_kv_heads, plan.head_dim, plan.scaling,
-                        closed_form=plan.arch == "quadrature")
+                        closed_form=plan.arch == "quadrature", bits=plan.bits, quant_group=plan.quant_group)
 
 
 def plan_from_config(cfg: ModuleConfig, num_layers: int, num_kv_heads: int, head_dim: int,
@@ -173,4 +181,5 @@ def plan_from_config(cfg: ModuleConfig, num_layers: int, num_kv_heads: int, head
     """Unpack a ModuleConfig into ``plan_module``'s flat arguments."""
     return plan_module(cfg.arch, num_layers, num_kv_heads, head_dim, n_context, scaling, cfg.rho,
                        tuple(cfg.layer_multipliers), cfg.score_fraction, tuple(cfg.depths),
-                       cfg.residual, cfg.layer_norm, cfg.normalize_targets, cfg.bias)
+                       cfg.residual, cfg.layer_norm, cfg.normalize_targets, cfg.bias, cfg.bits,
+                       cfg.quant_group)

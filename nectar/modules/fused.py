@@ -18,7 +18,10 @@ arithmetic, is the cost (DESIGN.md §12). ``fuse_module`` rewrites each layer on
   replaces) for half the kernels — on a GPU the kernel count, not these bytes, is what is far from
   the bound. Other architectures run the two chains one after the other;
 * weights are kept in the model's dtype (bf16/fp16 on GPU, where the GEMMs accumulate in fp32);
-  the output layers run in float32, so the log-mass a — the merge weight — is fp32.
+  the output layers run in float32, so the log-mass a — the merge weight — is fp32;
+* a quadrature module stored at ``bits`` < 32 (``train.module.bits``) keeps W, Z, β as packed codes
+  and dequantizes them at each call; an MLP module's parameters already sit on their quantization
+  grid (modules/stored.py) and are folded as floats (its folds mix weights, so they can't stay packed).
 
 Training keeps ``LayerMLP`` (differentiable, parameters in normalised space); the fused form is a
 snapshot for inference and must be rebuilt after the weights change. ``FusedModule.predict`` equals
@@ -26,10 +29,13 @@ snapshot for inference and must be rebuilt after the weights change. ``FusedModu
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from ..quantization import QuantizedTensor, dequantize, quantize
 
 from .budget import SkipMLPShape
 from .builder import NectarModule
@@ -181,28 +187,59 @@ class FusedLayerMLP:
 
 class FusedLayerQuadrature:
     """a = LSE(s·Wq + β), A = softmax(s·Wq + β)ᵀZ with the scaling folded into W and β the GEMM's
-    bias input; logits and lse in fp32."""
+    bias input; logits and lse in fp32.
 
-    def __init__(self, layer: LayerQuadrature, dtype: torch.dtype):
+    A module stored at ``bits`` < 32 is served from its stored form: W, Z and β stay packed integer
+    codes with fp16 scales and zeros (nectar/quantization.py) and are dequantized at every call, so
+    the layer holds the stored bytes, not a float copy."""
+
+    def __init__(self, layer: LayerQuadrature, dtype: torch.dtype, bits: int = 32, group: int = 64):
+        self.dtype, self.scaling = dtype, layer.scaling
+        beta = layer.beta.detach().float() if layer.beta is not None else None
+        self.packed: tuple[QuantizedTensor, QuantizedTensor, QuantizedTensor | None] | None = None
+        if bits < 32:
+            self.packed = (quantize(layer.W.detach().float(), bits, group),
+                           quantize(layer.Z.detach().float(), bits, group),
+                           quantize(beta, bits, group) if beta is not None else None)
+            self.Wt = self.Z = self.beta = None
+            self._zero_beta = None if beta is not None else torch.zeros(layer.W.shape[0], 1, layer.W.shape[1])
+            return
         self.Wt = (layer.W.detach().float() * layer.scaling).transpose(1, 2).contiguous().to(dtype)  # [H, d, p]
         self.Z = layer.Z.detach().to(dtype)  # [H, p, d]
-        beta = layer.beta.detach() if layer.beta is not None else torch.zeros(layer.W.shape[:2])
+        beta = beta if beta is not None else torch.zeros(layer.W.shape[:2])
         self.beta = beta.unsqueeze(1).float()  # [H, 1, p]
-        self.dtype = dtype
 
     def to(self, device: torch.device) -> "FusedLayerQuadrature":
+        if self.packed is not None:
+            self.packed = tuple(_quantized_to(q, device) if q is not None else None for q in self.packed)
+            self._zero_beta = self._zero_beta.to(device) if self._zero_beta is not None else None
+            return self
         self.Wt, self.Z, self.beta = self.Wt.to(device), self.Z.to(device), self.beta.to(device)
         return self
 
+    def _weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(W·s transposed [H, d, p], Z [H, p, d]) in the layer dtype and β [H, 1, p] float32."""
+        if self.packed is None:
+            return self.Wt, self.Z, self.beta
+        qW, qZ, qb = self.packed
+        Wt = (dequantize(qW) * self.scaling).transpose(1, 2).to(self.dtype)  # [H, d, p]
+        beta = dequantize(qb).unsqueeze(1) if qb is not None else self._zero_beta  # [H, 1, p]
+        return Wt, dequantize(qZ, self.dtype), beta
+
     def __call__(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         q = q.to(self.dtype)
+        Wt, Z, beta = self._weights()
         if self.dtype == torch.float32:
-            logits = torch.baddbmm(self.beta, q, self.Wt)  # [H, N, p], β added by the GEMM
+            logits = torch.baddbmm(beta, q, Wt)  # [H, N, p], β added by the GEMM
         else:  # 16-bit weights: logits and β in float32
-            logits = torch.bmm(q, self.Wt).float() + self.beta
+            logits = torch.bmm(q, Wt).float() + beta
         a = torch.logsumexp(logits, dim=-1)  # [H, N]
-        A = torch.bmm(torch.softmax(logits, dim=-1).to(self.dtype), self.Z)  # [H, N, d]
+        A = torch.bmm(torch.softmax(logits, dim=-1).to(self.dtype), Z)  # [H, N, d]
         return A, a
+
+
+def _quantized_to(q: QuantizedTensor, device: torch.device) -> QuantizedTensor:
+    return dataclasses.replace(q, codes=q.codes.to(device), scales=q.scales.to(device), zeros=q.zeros.to(device))
 
 
 class FusedModule:
@@ -231,7 +268,7 @@ def fuse_module(module: NectarModule, dtype: torch.dtype | None = None,
     layers = []
     for i, layer in enumerate(module.layers):
         if isinstance(layer, LayerQuadrature):
-            layers.append(FusedLayerQuadrature(layer, dtype).to(device))
+            layers.append(FusedLayerQuadrature(layer, dtype, module.bits, module.quant_group).to(device))
         else:
             norm = {name: getattr(module, name)[i].detach().float() for name in
                     ("q_mean", "q_std", "alpha_mean", "alpha_std", "A_mean", "A_std")}
@@ -264,6 +301,8 @@ def _tensor_bytes(layer) -> int:
     def walk(obj) -> None:
         if isinstance(obj, torch.Tensor):
             seen.append(obj)
+        elif isinstance(obj, QuantizedTensor):
+            seen.extend((obj.codes, obj.scales, obj.zeros))
         elif isinstance(obj, (list, tuple)):
             for x in obj:
                 walk(x)

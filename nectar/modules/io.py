@@ -17,6 +17,7 @@ from ..schemas.artifacts import ModuleSpec
 from ..storage import atomic_write
 from ..tables import read_json_artifact, write_json_artifact
 from .builder import ModulePlan, NectarModule, build_module
+from .stored import load_stored_tensors, stored_nbytes, stored_tensors
 
 WEIGHTS = "module.safetensors"
 SPEC = "module.json"
@@ -30,12 +31,11 @@ def make_spec(module: NectarModule, plan: ModulePlan, base_model: str, base_mode
               doc_sha256: str, num_q_heads: int, normalization: dict[str, Any] | None = None) -> ModuleSpec:
     """Exact parameter and byte counts next to the KV-cache bytes the module replaces.
 
-    Bytes use the module's storage dtype for both sides (float32 here): the saved tensors
-    (parameters and normalisation buffers) against 2·n·d·L·Hkv cache entries.
+    Bytes as stored: the saved tensors (parameters — float32, or codes + fp16 scales and zeros at
+    ``module.bits`` < 32 — and normalisation buffers) against 2·n·d·L·Hkv float32 cache entries.
     """
     elem = next(module.parameters()).element_size()
-    tensors = list(module.state_dict().values())
-    module_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    module_bytes = stored_nbytes(module)
     kv_entries = 2 * plan.n_context * plan.head_dim * plan.num_layers * plan.num_kv_heads
     return ModuleSpec(
         base_model=base_model, base_model_hash=base_model_hash, doc_sha256=doc_sha256,
@@ -50,7 +50,7 @@ def make_spec(module: NectarModule, plan: ModulePlan, base_model: str, base_mode
 
 def save_module(module: NectarModule, spec: ModuleSpec, dir_url: str) -> list[str]:
     """Write weights then spec (each atomically); returns the file names written."""
-    tensors = module.state_dict()
+    tensors = stored_tensors(module)  # the quantized form at module.bits < 32
     meta = {"base_model_hash": spec.base_model_hash, "doc_sha256": spec.doc_sha256, "arch": spec.arch}
     # same module, same bytes (the one safetensors writer, shared with the document KV)
     atomic_write(f"{dir_url.rstrip('/')}/{WEIGHTS}", lambda f: write_stable_safetensors(f, tensors, meta))
@@ -91,9 +91,8 @@ def load_module(dir_url: str, base=None, expect_doc_sha: str | None = None,
     fs, path = fsspec.core.url_to_fs(f"{dir_url.rstrip('/')}/{WEIGHTS}")
     with fs.open(path, "rb") as f:
         tensors = st_load(f.read())
-    missing = set(module.state_dict()) ^ set(tensors)
-    if missing:
-        raise ModuleMismatch(f"{dir_url}/{WEIGHTS}: tensors don't match the spec's architecture "
-                             f"(differing names: {sorted(missing)[:5]})")
-    module.load_state_dict(tensors)
+    try:
+        load_stored_tensors(module, tensors)
+    except ValueError as exc:
+        raise ModuleMismatch(f"{dir_url}/{WEIGHTS}: tensors don't match the spec's architecture ({exc})") from None
     return module.to(device).eval(), spec

@@ -168,6 +168,11 @@ class ModuleConfig(FrozenConfig):
     # quadrature only: how (W, Z, β) start — the first p document rows, the p most-attended rows per
     # head (evict), or those rows with fitted β and values (attention_matching); see nectar.baselines
     init: Literal["first", "evict", "attention_matching"] = "first"
+    # storage precision of the module's parameters: 32 = float32; 8/4/2 = asymmetric integer codes with
+    # an fp16 scale and zero per group of ``quant_group`` values (nectar/quantization.py). ρ stays a share
+    # of the float32 document KV's BYTES, so a lower precision buys more pairs / a wider network.
+    bits: Literal[32, 8, 4, 2] = 32
+    quant_group: int = Field(64, ge=4)
 
 
 class TrainConfig(FrozenConfig):

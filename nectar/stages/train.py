@@ -15,6 +15,7 @@ from typing import Callable
 from ..models import BaseModel
 from ..modules.builder import NectarModule, build_module, plan_from_config
 from ..modules.io import make_spec, save_module
+from ..modules.stored import quantize_module_
 from ..schemas.artifacts import TargetsHeader, TrainLogRow
 from ..schemas.base import stable_hash
 from ..schemas.config import TrainConfig
@@ -104,6 +105,7 @@ def fit(targets_url: str, cfg: TrainConfig, base: BaseModel, doc_kv, out_url: st
               "train_items": result.schedule.n_items, "stopped_early": result.stopped_early}
     if result.stopped_early:
         return module, counts
+    quantize_module_(module)  # trained in float; stored and served on its train.module.bits grid
     info = dist_info()
     spec = make_spec(module.cpu(), plan, base.name, base.weights_hash, h.doc_sha256, h.num_q_heads,
                      normalization={"enabled": plan.normalize_targets, "source": "train split targets"})

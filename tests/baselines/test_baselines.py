@@ -10,11 +10,11 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "training"))
 from targets_fixture import DOC, make_targets  # noqa: E402
 
 from nectar.attention.exact import ExactDocState  # noqa: E402
-from nectar.baselines import (BASELINES, baseline_plan, fit_baseline, module_nbytes,  # noqa: E402
-                              training_queries)
+from nectar.baselines import BASELINES, baseline_plan, fit_baseline, training_queries  # noqa: E402
 from nectar.baselines.attention_matching import fit_log_mass  # noqa: E402
 from nectar.baselines.selection import attention_probs  # noqa: E402
 from nectar.modules import build_module, plan_module  # noqa: E402
+from nectar.modules.stored import stored_nbytes, stored_tensors  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def test_each_baseline_stores_the_budget_of_the_module_it_is_compared_with(tiny_
     assert build_module(plan).n_params() <= budget_params
     assert abs(params - budget_params) <= L * H * per_pair
     # bytes are every saved tensor, the module's way (normalisation buffers included on both sides)
-    assert fitted.nbytes == module_nbytes(fitted.module) == sum(
+    assert fitted.nbytes == stored_nbytes(fitted.module) == sum(
         t.numel() * 4 for t in fitted.module.state_dict().values())
 
 
@@ -94,3 +94,24 @@ def test_attention_matching_init_without_a_bias_is_refused(tiny_targets):
     plan = _plan(base, layout.n, rho=0.2, arch="quadrature")
     with pytest.raises(ValueError, match="bias=true"):
         init_quadrature(build_module(plan), plan, "attention_matching", kv, training_queries(url))
+
+
+@pytest.mark.parametrize("name", BASELINES)
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_baseline_keeps_more_entries_in_the_same_bytes(tiny_targets, name, bits):
+    """At int8/int4 the byte budget of ρ buys more kept entries; the bytes reported are those of the
+    tensors it stores (codes, fp16 scales and zeros, β), and stay within the float32 budget."""
+    base, layout, kv, url = tiny_targets
+    plan = _plan(base, layout.n, rho=0.1)
+    f32 = fit_baseline(name, kv, url, plan)
+    q = fit_baseline(name, kv, url, plan, bits=bits)
+    assert q.plan.bits == bits and f32.plan.bits == 32
+    assert all(pq > pf for pq, pf in zip(q.plan.quad_pairs, f32.plan.quad_pairs))
+    written = stored_tensors(q.module)
+    assert q.nbytes == sum(t.numel() * t.element_size() for t in written.values())
+    assert {t.dtype for k, t in written.items() if k.endswith(".codes")} == {torch.uint8}
+    buffers = sum(t.numel() * 4 for k, t in q.module.state_dict().items() if "." not in k)
+    budget_bytes = 4 * base.num_kv_heads * (sum(plan.budgets) if name != "truncate"
+                                            else base.num_layers * round(0.1 * layout.n) * 2 * base.head_dim)
+    assert q.nbytes - buffers <= budget_bytes
+    assert f32.nbytes - buffers <= budget_bytes

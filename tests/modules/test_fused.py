@@ -12,6 +12,7 @@ import torch
 from nectar.modules import build_module, plan_module
 from nectar.modules.fused import fuse_module
 from nectar.modules.provider import FusedModuleDocState, ModuleDocState
+from nectar.modules.stored import quantize_module_, stored_nbytes
 
 
 def _module(depths=(0, 4, 4), residual=False, layer_norm=False, arch="mlp", seed=0):
@@ -96,3 +97,27 @@ def test_fused_bfloat16_weights_keep_float32_outputs():
     assert fa.dtype == torch.float32 and fA.dtype == torch.float32  # output layers run in float32
     _close(fa.transpose(0, 1), a, 1e-2)
     _close(fA.transpose(0, 1), A, 2e-2)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_quadrature_served_from_its_codes_matches_its_dequantized_float_copy(bits):
+    """A state stored at int8/int4: the fused layer keeps only packed codes + fp16 scales and zeros
+    (its bytes are the stored bytes) and dequantizes per call; the training form holds the same values
+    as floats. Same tolerance as the float32 fusion (the values are identical, only sums reorder)."""
+    plan = plan_module("quadrature", num_layers=2, num_kv_heads=3, head_dim=64, n_context=600, scaling=0.125,
+                       rho=0.1, layer_multipliers=(1.0, 2.0), quad_bias=True, bits=bits)
+    module = build_module(plan)
+    with torch.no_grad():
+        for layer in module.layers:
+            layer.beta.normal_(0, 2.0)
+            layer.Z.normal_(0, 1.0)
+    quantize_module_(module)
+    fused, q = fuse_module(module), torch.randn(40, 3, 64) * 2
+    assert fused.layers[0].packed is not None and fused.layers[0].Wt is None
+    assert fused.nbytes == stored_nbytes(module) - sum(b.numel() * 4 for b in module.buffers())
+    with torch.no_grad():
+        for layer in range(2):
+            A, a = module.predict(layer, q)
+            fA, fa = fused.predict(layer, q.transpose(0, 1))
+            _close(fA.transpose(0, 1), A, 2e-5)
+            _close(fa.transpose(0, 1), a, 2e-5)
