@@ -32,6 +32,7 @@ from ..modules.builder import ModulePlan, plan_from_config
 from ..orchestration.context import (SHARED_DATA_STAGES, RunContext, StageInputError, load_base, load_run_doc_kv,
                                      open_run)
 from ..orchestration.executor import RunDir, now
+from ..orchestration.runners import run_targets, run_train
 from ..schemas.artifacts import ComparisonRow, RunManifest, TargetsPairRow
 from ..schemas.config import PipelineConfig
 from ..schemas.presets import ConfigError
@@ -103,8 +104,6 @@ def refresh_targets(ctx: RunContext, stage_runner: Callable[[RunContext, str], A
     if stage_runner is not None:
         stage_runner(ctx, "targets")
     else:
-        from ..orchestration.stages import run_targets
-
         run_targets(ctx, False)
 
 
@@ -403,8 +402,6 @@ def compare(ctx: RunContext, systems: list[str] | None = None, rhos: list[float]
             train_stage: TrainStage | None = None, progress: ProgressFactory | None = None) -> CompareResult:
     """Plan, train what is missing, score and write (the Prefect flow runs the same steps with the
     train stage as a subflow)."""
-    from ..orchestration.stages import run_train
-
     check_ready(ctx)
     refresh_targets(ctx)
     jobs = plan_jobs(ctx, systems, rhos)

@@ -145,7 +145,7 @@ def run_synthesize(ctx: RunContext, force: bool = False) -> StageOutcome:
 
 def run_verify(ctx: RunContext, force: bool = False) -> StageOutcome:
     from ..llm import make_backend
-    from ..models import embedder_path
+    from ..base_model import embedder_path
     from ..stages.verify import verify
 
     inputs = _upstream_outputs(ctx, "verify")
