@@ -27,13 +27,14 @@ import torch
 from ..attention.exact import ExactDocState
 from ..attention.forward import query_logits
 from ..evaluation.teacher import EvalPair, PairSums
-from ..models import BaseModel, cache_dir, embedded_smollm2_dir
+from ..quantization import quantized_nbytes
+from ..base_model import BaseLM, cache_dir, embedded_smollm2_dir
 from ..schemas.config import ModelConfig
 from . import worker
 from .env import KvpressEnvError, ensure_env
 
 WORKER = Path(worker.__file__)
-QUANTIZATION_PY = Path(__file__).resolve().parents[1] / "quantization.py"
+QUANTIZATION_PY = Path(__file__).resolve().parents[1] / "quantization.py"  # the worker loads it by path
 # Largest per-token KL(ours ‖ kvpress) the guard accepts on the uncompressed cache: the two models run
 # the same float32 weights through different attention code, which leaves ~1e-6 nats; a wrong model,
 # tokenization or position is orders of magnitude above.
@@ -73,11 +74,7 @@ class BridgeResult:
 
 def entry_bytes(head_dim: int, bits: int, group: int = DEFAULT_GROUP) -> int:
     """Stored bytes of one (layer, KV head, token) entry: its key and value rows at ``bits``."""
-    if bits == 32:
-        return 2 * head_dim * 4
-    from .. import quantization  # nectar/quantization.py: the one group quantizer (issue 30)
-
-    return 2 * quantization.quantized_nbytes((head_dim,), bits, group)
+    return 2 * quantized_nbytes((head_dim,), bits, group)  # bits 32: plain float32
 
 
 def compression_ratio(rho: float, head_dim: int, bits: int, group: int = DEFAULT_GROUP,
@@ -90,7 +87,7 @@ def compression_ratio(rho: float, head_dim: int, bits: int, group: int = DEFAULT
     return 1.0 - kept
 
 
-def model_folder(base: BaseModel, cfg: ModelConfig) -> Path:
+def model_folder(base: BaseLM, cfg: ModelConfig) -> Path:
     """A folder kvpress can load the run's model from: the embedded model's converted folder, the
     run's own model folder, or (a tiny in-memory model) a copy saved once under the cache."""
     if cfg.name == "embedded:smollm2-135m":
@@ -114,7 +111,7 @@ def scored_rows(pair: EvalPair) -> int:
 
 
 @torch.no_grad()
-def write_reference(base: BaseModel, doc_kv, pairs: list[EvalPair], n: int, path: Path) -> int:
+def write_reference(base: BaseLM, doc_kv, pairs: list[EvalPair], n: int, path: Path) -> int:
     """OUR full-context log-probs at every scored position, float32 [K, V] (pairs in order)."""
     provider = ExactDocState(doc_kv)
     k = sum(scored_rows(p) for p in pairs)
@@ -132,12 +129,9 @@ def write_reference(base: BaseModel, doc_kv, pairs: list[EvalPair], n: int, path
     return k
 
 
-def request(base: BaseModel, model_dir: Path, doc_ids: list[int], pairs: list[EvalPair],
+def request(base: BaseLM, model_dir: Path, doc_ids: list[int], pairs: list[EvalPair],
             jobs: list[PressJob], threads: int | None) -> dict:
     quantized = any(j.bits != 32 for j in jobs)
-    if quantized and not QUANTIZATION_PY.exists():
-        raise KvpressError("quantized kvpress rows need nectar/quantization.py, which this checkout lacks; "
-                           "ask for fp32 presses (kvpress:<press>) or update the code")
     bytes_per_value = torch.finfo(base.dtype).bits // 8
     return {
         "model_dir": str(model_dir), "dtype": str(base.dtype).removeprefix("torch."),
@@ -183,7 +177,7 @@ def parse_result(raw: dict, jobs: list[PressJob]) -> BridgeResult:
     return out
 
 
-def score_presses(base: BaseModel, cfg: ModelConfig, doc_ids: list[int], doc_kv, pairs: list[EvalPair],
+def score_presses(base: BaseLM, cfg: ModelConfig, doc_ids: list[int], doc_kv, pairs: list[EvalPair],
                   jobs: list[PressJob], workdir: str | Path, threads: int | None = None,
                   log: Callable[[str], None] = print, model_dir: str | Path | None = None) -> BridgeResult:
     """Every press job's per-pair sums on ``pairs`` (raises KvpressEnvError / KvpressError).

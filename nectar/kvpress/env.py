@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..models import cache_dir
+from ..base_model import cache_dir
 
 TORCH_PIN = "torch==2.13.0"
 KVPRESS_PINS = ("transformers<5.3", "kvpress==0.5.5")

@@ -72,6 +72,7 @@ def load_quantization(path: str | None):
         return None
     spec = importlib.util.spec_from_file_location("nectar_quantization", path)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up while being defined
     spec.loader.exec_module(mod)
     return mod
 
@@ -153,9 +154,7 @@ def quantize_cache(cache, quant, bits: int, group: int) -> None:
 
 def entry_bytes(head_dim: int, bits: int, group: int, quant) -> int:
     """Stored bytes of one kept (layer, head, token) entry: its key and value rows."""
-    if bits == 32:
-        return 2 * head_dim * 4
-    return 2 * quant.quantized_nbytes((head_dim,), bits, group)
+    return 2 * head_dim * 4 if bits == 32 else 2 * quant.quantized_nbytes((head_dim,), bits, group)
 
 
 def pair_sums(model, cache, doc_len: int, pair: dict, ref, row0: int):

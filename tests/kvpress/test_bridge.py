@@ -11,6 +11,7 @@ from nectar.kvpress import (GUARD_TOLERANCE, PRESSES, UNAVAILABLE, KvpressError,
                             score_presses)
 from nectar.kvpress.bridge import model_folder
 from nectar.layout import build_layout
+from nectar.quantization import quantized_nbytes
 from nectar.schemas import ModelConfig
 from nectar.schemas.presets import ConfigError
 
@@ -36,19 +37,27 @@ def test_presses_score_the_exact_pairs_against_our_full_model(kvpress_env, tiny_
     layout, doc_kv, pairs = tiny_doc
     cfg = ModelConfig(name="tiny:llama", device="cpu")
     names = ["kvzip", "kvzip_layerwise", "adakv_expected_attention", "snapkv", "streaming_llm", "knorm"]
-    jobs = [PressJob(f"kvpress:{p}@0.3", p, 0.3) for p in names] + [PressJob("kvzip@0.9", "kvzip", 0.9)]
+    jobs = [PressJob(f"kvpress:{p}@0.3", p, 0.3) for p in names] + [PressJob("kvzip@0.9", "kvzip", 0.9),
+                                                                      PressJob("kvzip:int4@0.05", "kvzip", 0.05, 4)]
     res = score_presses(tiny_llama, cfg, list(layout.context_ids), doc_kv, pairs, jobs, tmp_path)
     assert not res.errors, res.errors
     assert 0 <= res.guard_max_kl <= GUARD_TOLERANCE
     ours = teacher_forced_pair_sums(tiny_llama, {"full": ExactDocState(doc_kv), "none": None}, pairs, layout.n)
     n, L, H, d = layout.n, tiny_llama.num_layers, tiny_llama.num_kv_heads, tiny_llama.head_dim
+    # int4 with head_dim 16: one group of 16 values a row, 8 bytes of codes + 4 of fp16 scale and zero
+    int4_row = quantized_nbytes((d,), 4, 64)
+    assert int4_row == 12
     for key, r in res.results.items():
         # the same response tokens as this project's scoring, and a compressed cache differs from the full one
         assert r.sums.n.tolist() == ours["full"].n.tolist()
         assert (r.sums.kl >= 0).all() and r.sums.kl.sum() > 10 * res.guard_max_kl
         share = r.kept_entries / (L * H * n)
-        assert abs(share - (0.9 if key == "kvzip@0.9" else 0.3)) < 0.02 + 1 / n, (key, share)
-        assert r.state_bytes == r.kept_entries * 2 * d * 4 and r.press_s > 0
+        want = {"kvzip@0.9": 0.9, "kvzip:int4@0.05": 0.05 * 4 * d / int4_row}.get(key, 0.3)
+        assert abs(share - want) < 0.02 + 1 / n, (key, share)
+        row = int4_row if key == "kvzip:int4@0.05" else d * 4
+        assert r.state_bytes == r.kept_entries * 2 * row and r.press_s > 0
+        assert abs(r.state_bytes / (L * H * n * 2 * d * 4) - {"kvzip@0.9": 0.9}.get(key, 0.3 if "@0.3" in key
+                                                                                      else 0.05)) < 0.02 + 1 / n
     # keeping 90 % of the entries is closer to the full model than keeping 30 %
     kl = {k: r.sums.kl.sum() for k, r in res.results.items()}
     assert kl["kvzip@0.9"] < kl["kvpress:kvzip@0.3"]
