@@ -130,19 +130,27 @@ def write_reference(base: BaseLM, doc_kv, pairs: list[EvalPair], n: int, path: P
 
 
 def request(base: BaseLM, model_dir: Path, doc_ids: list[int], pairs: list[EvalPair],
-            jobs: list[PressJob], threads: int | None) -> dict:
-    quantized = any(j.bits != 32 for j in jobs)
+            jobs: list[PressJob], threads: int | None) -> tuple[dict, dict[str, str]]:
+    """The worker's request, and {job key: why} for the jobs no press can run (e.g. a byte budget
+    that keeps more than every entry at that precision): those are left out, the others run."""
     bytes_per_value = torch.finfo(base.dtype).bits // 8
-    return {
+    ratios, errors = {}, {}
+    for j in jobs:
+        try:
+            ratios[j.key] = compression_ratio(j.rho, base.head_dim, j.bits, j.group, bytes_per_value)
+        except KvpressError as exc:
+            errors[j.key] = str(exc)
+    runnable = [j for j in jobs if j.key in ratios]
+    req = {
         "model_dir": str(model_dir), "dtype": str(base.dtype).removeprefix("torch."),
         "doc_ids": list(map(int, doc_ids)), "tolerance": GUARD_TOLERANCE, "threads": threads,
-        "quantization_py": str(QUANTIZATION_PY) if quantized else None,
+        "quantization_py": str(QUANTIZATION_PY) if any(j.bits != 32 for j in runnable) else None,
         "pairs": [{"pair_id": p.pair_id, "ids": list(map(int, p.ids)), "response_start": p.response_start}
                   for p in pairs],
-        "jobs": [{"key": j.key, "press": j.press, "bits": j.bits, "group": j.group,
-                  "compression_ratio": compression_ratio(j.rho, base.head_dim, j.bits, j.group, bytes_per_value)}
-                 for j in jobs],
+        "jobs": [{"key": j.key, "press": j.press, "bits": j.bits, "group": j.group, "compression_ratio": ratios[j.key]}
+                 for j in runnable],
     }
+    return req, errors
 
 
 def run_worker(python: Path, workdir: Path, timeout_s: float | None = None) -> dict:
@@ -185,7 +193,8 @@ def score_presses(base: BaseLM, cfg: ModelConfig, doc_ids: list[int], doc_kv, pa
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     env = ensure_env(log=log)
-    req = request(base, Path(model_dir) if model_dir else model_folder(base, cfg), doc_ids, pairs, jobs, threads)
+    req, skipped = request(base, Path(model_dir) if model_dir else model_folder(base, cfg), doc_ids, pairs, jobs,
+                           threads)
     (workdir / "request.json").write_text(json.dumps(req))
     t0 = time.perf_counter()
     ref = workdir / "reference.npy"
@@ -196,7 +205,8 @@ def score_presses(base: BaseLM, cfg: ModelConfig, doc_ids: list[int], doc_kv, pa
         raw = run_worker(env.python, workdir)
     finally:
         ref.unlink(missing_ok=True)  # [K, V] float32: ~0.2 MB a token, not worth keeping
-    out = parse_result(raw, jobs)
+    out = parse_result(raw, [j for j in jobs if j.key not in skipped])
+    out.errors.update(skipped)
     out.facts["env"] = {"root": str(env.root), **env.facts}
     if math.isfinite(out.guard_max_kl or math.nan):
         log(f"kvpress guard: largest per-token KL to this project's full model {out.guard_max_kl:.2e} "

@@ -38,9 +38,11 @@ def test_presses_score_the_exact_pairs_against_our_full_model(kvpress_env, tiny_
     cfg = ModelConfig(name="tiny:llama", device="cpu")
     names = ["kvzip", "kvzip_layerwise", "adakv_expected_attention", "snapkv", "streaming_llm", "knorm"]
     jobs = [PressJob(f"kvpress:{p}@0.3", p, 0.3) for p in names] + [PressJob("kvzip@0.9", "kvzip", 0.9),
-                                                                      PressJob("kvzip:int4@0.05", "kvzip", 0.05, 4)]
+                                                                      PressJob("kvzip:int4@0.05", "kvzip", 0.05, 4),
+                                                                      PressJob("kvzip:int4@0.2", "kvzip", 0.2, 4)]
     res = score_presses(tiny_llama, cfg, list(layout.context_ids), doc_kv, pairs, jobs, tmp_path)
-    assert not res.errors, res.errors
+    # int4 at ρ = 0.2 would keep 107 % of the entries: that job alone is left out, with the reason
+    assert list(res.errors) == ["kvzip:int4@0.2"] and "keeps 107%" in res.errors["kvzip:int4@0.2"]
     assert 0 <= res.guard_max_kl <= GUARD_TOLERANCE
     ours = teacher_forced_pair_sums(tiny_llama, {"full": ExactDocState(doc_kv), "none": None}, pairs, layout.n)
     n, L, H, d = layout.n, tiny_llama.num_layers, tiny_llama.num_kv_heads, tiny_llama.head_dim
