@@ -91,6 +91,15 @@ def quantized_nbytes(shape: tuple[int, ...] | torch.Size, bits: int, group: int 
     return rows * (groups * g * bits // 8 + 2 * _META_BYTES * groups)
 
 
+def storage_bits(shape: tuple[int, ...] | torch.Size, bits: int, group: int = DEFAULT_GROUP) -> int:
+    """``bits``, or 32 where quantizing would not save bytes (rows of one value: an fp16 scale and zero
+    per value cost more than the float32 value itself)."""
+    numel = math.prod(int(s) for s in shape)
+    if bits in FLOAT_BITS or quantized_nbytes(shape, bits, group) < 4 * numel:
+        return bits
+    return 32
+
+
 def _grouped(x: torch.Tensor, g: int) -> torch.Tensor:
     """[*lead, d] -> [*lead, groups, g], padding d with the row's last value (keeps each group's range)."""
     d = x.shape[-1]

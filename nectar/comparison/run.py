@@ -38,7 +38,7 @@ from ..schemas.config import PipelineConfig
 from ..schemas.presets import ConfigError
 from ..storage import atomic_write
 from ..tables import ArtifactError, read_json_artifact, read_table, write_table
-from ..targets.store import open_targets
+from ..targets.store import open_targets, targets_zarr_url
 from .systems import System, resolve, trained_config
 
 ProgressFactory = Callable[[str], Callable[[int, int], None]]
@@ -54,7 +54,18 @@ class CompareInputError(ValueError):
     """A run directory, budget or system that ``nectar compare`` can't work with (one line)."""
 
 
-def parse_rhos(text: str | None) -> list[float]:
+KV_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def parse_bytes(text: str | None, kv_dtype: str) -> list[float]:
+    """``--bytes 0.01,0.05``: budgets as fractions of the document KV's bytes at the model's KV dtype →
+    the budgets ρ (shares of the float32 KV's bytes, what every system is sized by): the same at fp32,
+    half at bf16 (a bf16 KV is half the bytes, so 5 % of it is 2.5 % of the float32 one)."""
+    fractions = parse_rhos(text, "--bytes")
+    return [f * KV_DTYPE_BYTES[kv_dtype] / 4 for f in fractions]
+
+
+def parse_rhos(text: str | None, option: str = "--rho") -> list[float]:
     """``"0.02,0.05,0.10"`` → [0.02, 0.05, 0.1]; each a fraction of the document KV bytes in (0, 1)."""
     if text is None or not text.strip():
         return []
@@ -64,11 +75,11 @@ def parse_rhos(text: str | None) -> list[float]:
         try:
             rho = float(item)
         except ValueError:
-            raise CompareInputError(f"--rho {item!r} is not a number; give budgets as fractions of the document "
-                                    "KV cache, e.g. --rho 0.02,0.05,0.10") from None
+            raise CompareInputError(f"{option} {item!r} is not a number; give budgets as fractions of the document "
+                                    f"KV cache, e.g. {option} 0.02,0.05,0.10") from None
         if not (0 < rho < 1) or math.isnan(rho):
-            raise CompareInputError(f"--rho {item}: ρ is the state's share of the document KV cache bytes and must "
-                                    "lie strictly between 0 and 1 (e.g. 0.05)")
+            raise CompareInputError(f"{option} {item}: a budget is the state's share of the document KV cache bytes "
+                                    "and must lie strictly between 0 and 1 (e.g. 0.05)")
         out.append(rho)
     return out
 
@@ -121,7 +132,7 @@ def open_for_compare(run_dir: str, progress: ProgressFactory | None = None) -> R
 
 
 def _dims(ctx: RunContext) -> dict[str, Any]:
-    _, h = open_targets(ctx.stage_run("targets").url("targets", "targets.zarr"))
+    _, h = open_targets(targets_zarr_url(ctx.stage_run("targets").url("targets")))
     return dict(num_layers=h.num_layers, num_kv_heads=h.num_kv_heads, head_dim=h.head_dim, n_context=h.n_context,
                 scaling=h.scaling)
 
@@ -231,7 +242,7 @@ def obtain(job: Job, ctx: RunContext, base, doc_kv, dims: dict[str, Any]) -> Obt
 
     t0 = time.perf_counter()
     provider = fit_baseline(s.baseline, doc_kv, ctx.stage_run("targets").url("targets"),
-                            baseline_plan(ctx, job.rho, dims), seed=ctx.config.train.seed)
+                            baseline_plan(ctx, job.rho, dims), seed=ctx.config.train.seed, bits=s.bits)
     seconds = time.perf_counter() - t0
     return Obtained(provider, int(provider.nbytes), seconds, s.baseline, f"fit_baseline({s.baseline!r})")
 
@@ -328,7 +339,7 @@ def score_and_write(ctx: RunContext, jobs: list[Job], progress: ProgressFactory 
         fit_bar(i + 1, len(jobs))
     timings["load_and_fit_s"] = time.perf_counter() - t0
     targets = ctx.stage_run("targets").url("targets")
-    g, _ = open_targets(f"{targets}/targets.zarr")
+    g, _ = open_targets(targets_zarr_url(targets))
     target_rows = read_table(f"{targets}/pairs.parquet", TargetsPairRow)
     sel = select_pairs(target_rows, g["token_ids"][:], cfg, evaluated_splits(target_rows, cfg))
     kv_jobs = [j for j in jobs if j.system.kind == "kvpress"]
@@ -357,7 +368,8 @@ def score_and_write(ctx: RunContext, jobs: list[Job], progress: ProgressFactory 
     rows = comparison_rows(jobs, obtained, quality)
     timings["total_s"] = sum(v for k, v in timings.items() if k != "total_s")
     facts = {"run": ctx.run.root, "document": ctx.info.source_uri, "model": base.name, "n": layout.n,
-             "kv_bytes": doc_kv.nbytes(), "created_at": now()}
+             "kv_bytes": doc_kv.nbytes(), "kv_dtype": str(doc_kv.keys[0].dtype).removeprefix("torch."),
+             "created_at": now()}
     return write_outputs(ctx.run, rows, facts, timings, notes)
 
 

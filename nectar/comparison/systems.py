@@ -42,7 +42,8 @@ class System:
     overlay: dict[str, Any] = field(default_factory=dict)  # trained: further settings on top of the regime
     baseline: str | None = None  # baseline: the name fit_baseline takes
     press: str | None = None  # kvpress: the press (nectar/kvpress/worker.py PRESSES)
-    bits: int = 32  # kvpress: storage precision of the kept keys and values
+    bits: int = 32  # baseline / kvpress: storage precision of its kept entries (trained: train.module.bits in overlay)
+    default: bool = True  # in the default set (``--systems`` unset); opt-in systems train extra variants
 
     def __post_init__(self) -> None:
         if self.kind == "trained" and self.regime is None and not self.overlay:
@@ -83,6 +84,19 @@ for _s in (
     register(_s)
 
 
+# Every closed-form baseline at int8 and int4 (default: cheap), and the matching state trained in float at
+# the pairs its bits buy and stored quantized (opt-in: a training run per budget). The kept-entry count
+# follows the byte budget: ρ stays a share of the float32 KV's bytes, the codes are 4–7× smaller.
+for _bits in (8, 4):
+    for _name in ("truncate", "evict", "attention_matching"):
+        register(System(f"{_name}@int{_bits}", "baseline", f"{SYSTEMS[_name].description}, stored at int{_bits} "
+                        "(fp16 scale and zero per 64 values), as many entries as the bytes buy",
+                        baseline=_name, bits=_bits))
+    register(System(f"matching@int{_bits}", "trained", f"matching with as many pairs as int{_bits} storage buys "
+                    "in the bytes, trained in float, stored and served at int{_bits}".replace("{_bits}", str(_bits)),
+                    regime="matching", overlay={"train": {"module": {"bits": _bits}}}, default=False))
+
+
 def baselines_available() -> bool:
     """Whether this checkout has the closed-form baselines (``nectar.baselines.fit_baseline``)."""
     try:
@@ -115,7 +129,7 @@ def resolve(names: list[str] | None) -> list[System]:
     ``nectar.baselines`` is there; kvpress only by name); a name asked for must exist and run."""
     if names is None:
         ok = baselines_available()
-        return [s for s in SYSTEMS.values() if s.kind != "baseline" or ok]
+        return [s for s in SYSTEMS.values() if s.default and (s.kind != "baseline" or ok)]
     presses = [s for n in names if n.startswith(KVPRESS_PREFIX) for s in kvpress_systems(n)]
     names = [n for n in names if not n.startswith(KVPRESS_PREFIX)]
     unknown = [n for n in names if n not in SYSTEMS]

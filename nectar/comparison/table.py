@@ -7,8 +7,10 @@ from ..evaluation.report import fmt_interval
 
 HOW_TO_READ = """\
 How to read it. Every system stands in for the document in the same base model, at the bytes in the
-`bytes` column (× = how many times smaller than the document's KV cache); trained and baseline systems
-at the same ρ store the same budget. **KL to full** is KL(full-context model ‖ system) per response
+`bytes` column — as stored: integer codes, fp16 scales and zeros, β and buffers included (× = how many
+times smaller than the document's KV cache at its dtype, % = its share of it); every system at the same
+ρ fits the same bytes (ρ is a share of the float32 KV's bytes; `@int8` / `@int4` systems keep as many
+entries as those bytes buy at that precision). **KL to full** is KL(full-context model ‖ system) per response
 token, teacher forced (nats; lower is better); **KL recovered** = 1 − KL_system / KL_none is the share of
 the document's effect on the next-token distribution the system keeps (none 0 %, full 100 %; it can go
 below 0 when a system misleads the model more than having no document). **ROUGE-L / exact / cosine**
@@ -29,8 +31,8 @@ SPLIT_ORDER = {"test": 0, "challenge": 1, "probes": 2}
 def _bytes(n: int, kv: int | None) -> str:
     if n == 0:
         return "0"
-    ratio = f" ({kv / n:.1f}×)" if kv else ""
-    return f"{n / 1e6:.2f} MB{ratio}"
+    ratio = f" ({kv / n:.1f}×, {100 * n / kv:.2f} %)" if kv else ""
+    return f"{n / 1e6:.3f} MB{ratio}"
 
 
 def _pct(row: dict[str, Any], key: str, prefix: str) -> str:

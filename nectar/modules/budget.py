@@ -1,4 +1,4 @@
-"""Parameter budgets (DESIGN.md §6, paper App. A.4 "Capacity allocation").
+"""Parameter budgets (docs/design.md §6, paper App. A.4 "Capacity allocation").
 
 ρ is a fraction of one KV head's document cache, 2·n·d entries, so a module at ρ has
 ρ·2·n·d parameters per (layer, KV head). Layers are split into contiguous groups with multipliers
@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..quantization import quantized_nbytes
+from ..quantization import quantized_nbytes, storage_bits
 
 
 class BudgetError(ValueError):
@@ -156,8 +156,8 @@ def mlp_layer_shapes(budget: int, head_dim: int, depths: tuple[int, int, int], s
 
 def quadrature_head_bytes(pairs: int, head_dim: int, bias: bool, bits: int, group: int) -> int:
     """Stored bytes of one head's p pairs: W and Z [p, d] (quantized along d), β [p] if any."""
-    wz = 2 * quantized_nbytes((pairs, head_dim), bits, group)
-    return wz + (quantized_nbytes((pairs,), bits, group) if bias else 0)
+    wz = 2 * quantized_nbytes((pairs, head_dim), storage_bits((pairs, head_dim), bits, group), group)
+    return wz + (quantized_nbytes((pairs,), storage_bits((pairs,), bits, group), group) if bias else 0)
 
 
 def pairs_in_bytes(nbytes: float, head_dim: int, bias: bool, bits: int = 32, group: int = 64) -> int:

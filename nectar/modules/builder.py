@@ -59,7 +59,12 @@ class ModulePlan:
         return self.mlp_shapes(layer).n_params()
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """As plain data; the storage precision only when not float32 (plans saved before it existed
+        read back the same, and their train-stage fingerprints stay valid)."""
+        out = asdict(self)
+        if self.bits == 32 and self.quant_group == 64:
+            del out["bits"], out["quant_group"]
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ModulePlan":

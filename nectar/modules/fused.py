@@ -1,7 +1,7 @@
 """The inference form of a trained module: the same function in a handful of kernels per layer.
 
 Decoding evaluates the module at every layer for every token, where launch overhead, not
-arithmetic, is the cost (DESIGN.md §12). ``fuse_module`` rewrites each layer once, at load time:
+arithmetic, is the cost (docs/design.md §12). ``fuse_module`` rewrites each layer once, at load time:
 
 * the per-head normalisation of q is folded into every weight that reads q, and that of the
   outputs (α and A) into the output layers: qn·M + c = q·(M/σ_q) + (c − (μ_q/σ_q)·M) and
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..quantization import QuantizedTensor, dequantize, quantize
+from ..quantization import QuantizedTensor, dequantize, quantize, storage_bits
 
 from .budget import SkipMLPShape
 from .builder import NectarModule
@@ -196,11 +196,10 @@ class FusedLayerQuadrature:
     def __init__(self, layer: LayerQuadrature, dtype: torch.dtype, bits: int = 32, group: int = 64):
         self.dtype, self.scaling = dtype, layer.scaling
         beta = layer.beta.detach().float() if layer.beta is not None else None
-        self.packed: tuple[QuantizedTensor, QuantizedTensor, QuantizedTensor | None] | None = None
+        self.packed: tuple[Stored, Stored, Stored | None] | None = None
         if bits < 32:
-            self.packed = (quantize(layer.W.detach().float(), bits, group),
-                           quantize(layer.Z.detach().float(), bits, group),
-                           quantize(beta, bits, group) if beta is not None else None)
+            self.packed = (_stored(layer.W.detach().float(), bits, group), _stored(layer.Z.detach().float(), bits, group),
+                           _stored(beta, bits, group) if beta is not None else None)
             self.Wt = self.Z = self.beta = None
             self._zero_beta = None if beta is not None else torch.zeros(layer.W.shape[0], 1, layer.W.shape[1])
             return
@@ -211,7 +210,7 @@ class FusedLayerQuadrature:
 
     def to(self, device: torch.device) -> "FusedLayerQuadrature":
         if self.packed is not None:
-            self.packed = tuple(_quantized_to(q, device) if q is not None else None for q in self.packed)
+            self.packed = tuple(_stored_to(q, device) if q is not None else None for q in self.packed)
             self._zero_beta = self._zero_beta.to(device) if self._zero_beta is not None else None
             return self
         self.Wt, self.Z, self.beta = self.Wt.to(device), self.Z.to(device), self.beta.to(device)
@@ -222,9 +221,9 @@ class FusedLayerQuadrature:
         if self.packed is None:
             return self.Wt, self.Z, self.beta
         qW, qZ, qb = self.packed
-        Wt = (dequantize(qW) * self.scaling).transpose(1, 2).to(self.dtype)  # [H, d, p]
-        beta = dequantize(qb).unsqueeze(1) if qb is not None else self._zero_beta  # [H, 1, p]
-        return Wt, dequantize(qZ, self.dtype), beta
+        Wt = (_values(qW) * self.scaling).transpose(1, 2).to(self.dtype)  # [H, d, p]
+        beta = _values(qb).unsqueeze(1) if qb is not None else self._zero_beta  # [H, 1, p]
+        return Wt, _values(qZ).to(self.dtype), beta
 
     def __call__(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         q = q.to(self.dtype)
@@ -238,8 +237,21 @@ class FusedLayerQuadrature:
         return A, a
 
 
-def _quantized_to(q: QuantizedTensor, device: torch.device) -> QuantizedTensor:
-    return dataclasses.replace(q, codes=q.codes.to(device), scales=q.scales.to(device), zeros=q.zeros.to(device))
+Stored = QuantizedTensor | torch.Tensor  # packed codes, or float32 where codes would not save bytes
+
+
+def _stored(t: torch.Tensor, bits: int, group: int) -> Stored:
+    return quantize(t, bits, group) if storage_bits(t.shape, bits, group) < 32 else t
+
+
+def _values(x: Stored) -> torch.Tensor:
+    return dequantize(x) if isinstance(x, QuantizedTensor) else x
+
+
+def _stored_to(x: Stored, device: torch.device) -> Stored:
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    return dataclasses.replace(x, codes=x.codes.to(device), scales=x.scales.to(device), zeros=x.zeros.to(device))
 
 
 class FusedModule:

@@ -6,12 +6,15 @@ with), ``stored_tensors`` gives the tensors written to disk — ``<name>.codes``
 ``<name>.scales`` and ``<name>.zeros`` (fp16) for each parameter, normalisation buffers as they are —
 and ``load_stored_tensors`` reverses it. ``stored_nbytes`` is the module's size as stored: the bytes
 the comparison reports and the budget is set by, equal to the sum of ``stored_tensors``' bytes.
+
+A closed-form (quadrature) module never reads the normalisation buffers, so they are not stored for it
+(at 1 % of a SmolLM2 document's KV they would be 7 % of the bytes); files that hold them still load.
 """
 from __future__ import annotations
 
 import torch
 
-from ..quantization import QuantizedTensor, dequantize, fake_quantize, quantize, quantized_nbytes
+from ..quantization import QuantizedTensor, dequantize, fake_quantize, quantize, quantized_nbytes, storage_bits
 from .builder import NectarModule
 
 SUFFIXES = (".codes", ".scales", ".zeros")
@@ -22,30 +25,41 @@ def is_quantized(module: NectarModule) -> bool:
 
 
 def _param_names(module: NectarModule) -> set[str]:
-    return {name for name, _ in module.named_parameters()}
+    """Parameters stored as codes: all at ``bits`` < 32 but rows too short to gain (``storage_bits``)."""
+    if not is_quantized(module):
+        return set()
+    return {name for name, p in module.named_parameters()
+            if storage_bits(p.shape, module.bits, module.quant_group) < 32}
+
+
+def _state(module: NectarModule) -> dict[str, torch.Tensor]:
+    """The state that is stored: parameters, and the normalisation buffers unless closed-form."""
+    params = {name for name, _ in module.named_parameters()}
+    return {k: v for k, v in module.state_dict().items() if k in params or not module.closed_form}
 
 
 @torch.no_grad()
 def quantize_module_(module: NectarModule) -> NectarModule:
     """Round every parameter onto its ``bits`` grid in place (no-op at 32 bits); returns ``module``."""
-    if is_quantized(module):
-        for p in module.parameters():
+    for name, p in module.named_parameters():
+        if name in _param_names(module):
             p.copy_(fake_quantize(p.detach().float(), module.bits, module.quant_group))
     return module
 
 
 def quantized_parameters(module: NectarModule) -> dict[str, QuantizedTensor]:
     """Each parameter's packed form (the module must be quantized: ``module.bits`` < 32)."""
+    names = _param_names(module)
     return {name: quantize(p.detach().float().cpu(), module.bits, module.quant_group)
-            for name, p in module.named_parameters()}
+            for name, p in module.named_parameters() if name in names}
 
 
 def stored_tensors(module: NectarModule) -> dict[str, torch.Tensor]:
     """The tensors a module is saved as (its state dict at 32 bits)."""
-    state = module.state_dict()
+    state = _state(module)
     if not is_quantized(module):
         return state
-    out = {k: v for k, v in state.items() if k not in _param_names(module)}  # normalisation buffers
+    out = {k: v for k, v in state.items() if k not in _param_names(module)}  # float32: buffers, short rows
     for name, q in quantized_parameters(module).items():
         out.update({name + ".codes": q.codes, name + ".scales": q.scales, name + ".zeros": q.zeros})
     return out
@@ -55,7 +69,7 @@ def stored_nbytes(module: NectarModule) -> int:
     """Bytes of ``stored_tensors(module)``, counted from shapes (no quantization pass)."""
     names = _param_names(module)
     total = 0
-    for name, t in module.state_dict().items():
+    for name, t in _state(module).items():
         bits = module.bits if name in names else 32
         total += quantized_nbytes(t.shape, bits, module.quant_group) if bits < 32 else t.numel() * t.element_size()
     return total
@@ -64,10 +78,13 @@ def stored_nbytes(module: NectarModule) -> int:
 @torch.no_grad()
 def load_stored_tensors(module: NectarModule, tensors: dict[str, torch.Tensor]) -> None:
     """Load what ``stored_tensors`` wrote into ``module`` (built from the same plan)."""
+    state = dict(module.state_dict())
+    if module.closed_form:  # buffers it never reads: stored by older versions, or not at all
+        params = {name for name, _ in module.named_parameters()}
+        tensors = {**{k: v for k, v in state.items() if k not in params}, **tensors}
     if not is_quantized(module):
         module.load_state_dict(tensors)
         return
-    state = dict(module.state_dict())
     expect = {k for k in state if k not in _param_names(module)}
     expect |= {n + s for n in _param_names(module) for s in SUFFIXES}
     if set(tensors) != expect:

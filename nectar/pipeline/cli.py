@@ -14,6 +14,7 @@ from rich.table import Table
 
 from ..schemas.config import STAGES
 from . import deploy as ops
+from . import operations
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="NECTAR: per-document modules that replace attention over a long document's KV cache.")
@@ -143,22 +144,28 @@ def compare(
     run_dir: str = typer.Argument(..., help="A run directory whose data stages (chunk → targets) completed."),
     rho: Optional[str] = typer.Option(None, "--rho", help="Further budgets, e.g. 0.02,0.05,0.10 (the run's ρ is "
                                                           "always compared)."),
+    bytes_: Optional[str] = typer.Option(None, "--bytes", help="Budgets as fractions of the document KV's bytes "
+                                          "at the model's KV dtype (float32 on the cpu preset, bfloat16 on GPU), "
+                                          "e.g. 0.01,0.02,0.05: each system stores as many entries as its "
+                                          "precision buys in those bytes."),
     systems: Optional[str] = typer.Option(
-        None, "--systems", help="Comma-separated subset (default: every system: none, full, regression, mixed, "
-                                "distill, cartridges, matching, truncate, evict, attention_matching); kvpress presses by name: "
+        None, "--systems", help="Comma-separated subset (default: every system but the opt-in matching@int8/int4: "
+                                "none, full, regression, mixed, distill, cartridges, matching, truncate, evict, "
+                                "attention_matching, and each baseline @int8 and @int4); kvpress presses by name: "
                                 "kvpress:kvzip, kvpress:snapkv, …, kvpress:all, with :int8 / :int4 for quantized "
                                 "keys and values (run in a venv of their own, built on first use)."),
 ) -> None:
     """Every system at equal bytes on the run's held-out pairs: trains what is missing, writes
     RUN_DIR/compare/comparison.{parquet,md} and frontier.png."""
     _quiet_prefect()
-    from ..comparison import CompareInputError, open_for_compare, parse_rhos, validate
+    from ..comparison import CompareInputError, open_for_compare, parse_bytes, parse_rhos, validate
     from . import flows
 
     names = [s.strip() for s in systems.split(",") if s.strip()] if systems else None
     try:  # fail fast, before Prefect starts or anything trains
-        rhos = parse_rhos(rho)
-        validate(open_for_compare(run_dir), names, rhos)
+        ctx = open_for_compare(run_dir)
+        rhos = list(dict.fromkeys(parse_rhos(rho) + parse_bytes(bytes_, ctx.config.model.dtype)))
+        validate(ctx, names, rhos)
     except CompareInputError as exc:
         console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
         raise typer.Exit(2)
@@ -202,7 +209,7 @@ def ask(
     debug: bool = typer.Option(False, "--debug", help="Show the traceback of an error."),
 ) -> None:
     """Answer a question from the trained module, without the document in the context (streams)."""
-    from ..ask import ask as ask_module
+    from ..serving.ask import ask as ask_module
     from .errors import reported
 
     with reported(debug, _error_line):
@@ -368,7 +375,7 @@ def trigger_cmd(
 ) -> None:
     """Start a pipeline run for a document through the Prefect server (a worker executes it)."""
     try:
-        _report(ops.trigger(document, preset, config, override, run_dir, from_stage, only_stage, force),
+        _report(operations.trigger(document, preset, config, override, run_dir, from_stage, only_stage, force),
                 wait, timeout)
     except Exception as exc:
         _fail(exc)
@@ -389,7 +396,7 @@ def rerun_cmd(
 
             typer.echo(nectar_stage(run_dir=run_dir, stage=stage, force=True))
             return
-        _report(ops.rerun_stage(run_dir, stage), wait, timeout)
+        _report(operations.rerun_stage(run_dir, stage), wait, timeout)
     except Exception as exc:
         _fail(exc)
 
@@ -402,7 +409,7 @@ def retry_cmd(
 ) -> None:
     """Retry a failed pipeline run with the same parameters (completed stages are skipped)."""
     try:
-        _report(ops.retry_flow_run(flow_run), wait, timeout)
+        _report(operations.retry_flow_run(flow_run), wait, timeout)
     except Exception as exc:
         _fail(exc)
 
@@ -413,7 +420,7 @@ def _report(flow_run, wait: bool, timeout: float) -> None:
         return
     from .server_status import summary_lines
 
-    done = ops.wait_for_run(flow_run.id, timeout)
+    done = operations.wait_for_run(flow_run.id, timeout)
     for line in summary_lines(done.id):
         typer.echo(f"  {line}")
     typer.echo(f"flow run {done.name}: {done.state.name}")

@@ -31,6 +31,8 @@ class FrozenConfig(BaseModel):
             if extra.get("resource"):
                 continue
             value = getattr(self, name)
+            if extra.get("omit_default") and value == field.default:
+                continue  # a setting added later: at its default, runs made before it keep their ids
             out[name] = value.cache_dict() if isinstance(value, FrozenConfig) else _plain(value)
         return out
 
@@ -43,6 +45,12 @@ def _plain(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
     return value
+
+
+def added_setting(default: Any, **kwargs: Any) -> Any:
+    """A field added after runs were made: left out of cache keys and run ids while at its default, so
+    those runs and their cached stages stay valid (set to anything else, it is part of them)."""
+    return Field(default, json_schema_extra={"omit_default": True}, **kwargs)
 
 
 def resource(default: Any, **kwargs: Any) -> Any:

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from .base import FrozenConfig, resource
+from .base import FrozenConfig, added_setting, resource
 
 SynthesisTask = Literal["qa", "summarization", "quoting", "paraphrasing"]
 TASK_TYPES: tuple[SynthesisTask, ...] = ("qa", "summarization", "quoting", "paraphrasing")
@@ -171,8 +171,15 @@ class ModuleConfig(FrozenConfig):
     # storage precision of the module's parameters: 32 = float32; 8/4/2 = asymmetric integer codes with
     # an fp16 scale and zero per group of ``quant_group`` values (nectar/quantization.py). ρ stays a share
     # of the float32 document KV's BYTES, so a lower precision buys more pairs / a wider network.
-    bits: Literal[32, 8, 4, 2] = 32
-    quant_group: int = Field(64, ge=4)
+    bits: Literal[32, 8, 4, 2] = added_setting(32)
+    quant_group: int = added_setting(64, ge=4)
+
+
+# Settings that no longer exist, and why: a config that sets one is refused with this reason
+# (nectar.schemas.presets.load_config); a run.json that still holds one opens as before.
+REMOVED_KEYS: dict[tuple[str, ...], str] = {
+    ("train", "num_workers"): "nothing read it: the targets reader streams with its own prefetch thread",
+}
 
 
 class TrainConfig(FrozenConfig):
@@ -198,7 +205,15 @@ class TrainConfig(FrozenConfig):
     # Token batches are drawn from windows of this many tokens, each made of randomly chosen whole
     # zarr chunks (the streaming loader reads a window chunk-aligned); part of the data order.
     shuffle_window_tokens: int = Field(4096, ge=1)
-    num_workers: int = resource(0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_removed(cls, data: Any) -> Any:
+        """Run directories written before a key was removed still open (``load_config`` refuses the
+        key in what a user writes; see REMOVED_KEYS)."""
+        if isinstance(data, dict):
+            data = {k: v for k, v in data.items() if ("train", k) not in REMOVED_KEYS}
+        return data
 
 
 class EvaluateConfig(FrozenConfig):

@@ -205,3 +205,31 @@ def test_compare_goes_on_without_kvpress_rows_when_its_env_fails_fake_failure(ti
     assert "kvpress rows left out: kvpress venv: pip install torch==2.13.0 failed" in capsys.readouterr().out
     info = json.load(open(tiny_run.run.local_path("compare", "info.json")))
     assert "no network" in info["kvpress"]["error"]
+
+
+@pytest.mark.slow
+def test_compare_at_equal_bytes_with_quantized_baselines(tiny_run):
+    """``--bytes``: budgets as fractions of the KV's bytes at its dtype; each system stores as many
+    entries as its precision buys and reports the bytes as stored, within the budget."""
+    ctx = tiny_run
+    fractions = [0.1, 0.2]
+    rhos = comparison.parse_bytes("0.1,0.2", ctx.config.model.dtype)
+    assert ctx.config.model.dtype == "float32" and rhos == fractions  # float32 KV: ρ is the byte share
+    systems = ["none", "full", "evict", "evict@int8", "evict@int4", "attention_matching@int4", "truncate@int4"]
+    res = comparison.compare(ctx, systems, rhos=rhos, train_stage=lambda v: None)
+    by = {(r.system, r.rho, r.split): r for r in res.rows}
+    kv = by[("full", None, "test")].state_bytes
+    for rho in rhos:
+        for s in systems[2:]:
+            r = by[(s, rho, "test")]
+            assert 0.5 * rho * kv < r.state_bytes <= rho * kv, (s, rho, r.state_bytes)
+            assert r.recovered_kl_ci_low <= r.recovered_kl <= r.recovered_kl_ci_high
+    assert "**kv_dtype** float32" in res.markdown and "| evict@int4 | baseline |" in res.markdown
+    assert " %) |" in res.markdown  # the bytes column: × smaller and share of the KV
+
+
+def test_bytes_budgets_are_fractions_of_the_kv_at_its_dtype():
+    assert comparison.parse_bytes("0.01,0.05", "float32") == [0.01, 0.05]
+    assert comparison.parse_bytes("0.05", "bfloat16") == [0.025]  # a bf16 KV is half the float32 bytes
+    with pytest.raises(comparison.CompareInputError, match="--bytes 2: a budget is the state's share"):
+        comparison.parse_bytes("2", "float32")

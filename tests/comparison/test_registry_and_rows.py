@@ -8,15 +8,20 @@ from nectar.tables import ArtifactError, read_table, write_table
 
 
 def test_registry_holds_the_issue_systems_once_each():
+    quantized = [f"{b}@int{bits}" for bits in (8, 4) for b in (*BASELINES, "matching")]
     assert list(SYSTEMS) == ["none", "full", "regression", "mixed", "distill", "cartridges", "matching", "truncate",
-                             "evict", "attention_matching"]
+                             "evict", "attention_matching", *quantized]
     assert {s.name for s in SYSTEMS.values() if s.kind == "reference"} == {"none", "full"}
     for s in SYSTEMS.values():
+        name, _, precision = s.name.partition("@")
+        assert s.bits == (int(precision.removeprefix("int")) if precision and s.kind == "baseline" else 32)
         if s.kind == "trained":
-            assert s.regime == s.name
+            assert s.regime == name
+            assert s.overlay.get("train", {}).get("module", {}).get("bits", 32) == (int(precision[3:]) if precision else 32)
         if s.kind == "baseline":
-            assert s.baseline in BASELINES  # a name fit_baseline accepts
-    assert [s.name for s in resolve(None)] == list(SYSTEMS)  # this checkout has the baselines
+            assert s.baseline == name in BASELINES  # a name fit_baseline accepts
+    # default: every system this checkout can run, but the opt-in quantized trained ones (a training each)
+    assert [s.name for s in resolve(None)] == [n for n in SYSTEMS if not n.startswith("matching@")]
     assert [s.name for s in resolve(["evict", "none"])] == ["none", "evict"]  # registry order
     with pytest.raises(ConfigError, match="unknown system 'x'"):
         resolve(["x"])
@@ -78,3 +83,12 @@ def test_comparison_rows_round_trip_and_validate(tmp_path):
         write_table(url, [{**row.model_dump(), "kind": "magic"}], ComparisonRow)
     with pytest.raises(Exception, match="system"):
         ComparisonRow(kind="baseline", state_bytes=1, split="test", n_pairs=1, n_tokens=1, kl_to_full=0.1)
+
+
+def test_a_quantized_trained_system_is_the_same_regime_stored_at_its_bits():
+    run = load_config("cpu")
+    q4 = trained_config(run, SYSTEMS["matching@int4"], 0.05)
+    f32 = trained_config(run, SYSTEMS["matching"], 0.05)
+    assert q4.train.module.bits == 4 and f32.train.module.bits == 32
+    assert q4.train.model_copy(update={"module": q4.train.module.model_copy(update={"bits": 32})}) == f32.train
+    assert "bits" not in f32.train.module.cache_dict()  # float32 runs keep the fingerprints they had

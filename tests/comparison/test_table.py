@@ -18,6 +18,6 @@ def test_rows_are_ordered_and_formatted():
     md = comparison_markdown(rows, {"run": "runs/x", "kv_bytes": 70_400_000}, "frontier.png")
     table = [line for line in md.splitlines() if line.startswith("| ") and "system" not in line]
     assert [line.split(" | ")[0][2:] for line in table] == ["none", "full", "mixed", "evict", "regression"]
-    assert "| evict | baseline | 0.05 | 3.50 MB (20.1×) | 0.150 | 85.0 [79.0, 93.0] | 70.0 [65.0, 75.0] |" in md
+    assert "| evict | baseline | 0.05 | 3.500 MB (20.1×, 4.97 %) | 0.150 | 85.0 [79.0, 93.0] | 70.0 [65.0, 75.0] |" in md
     assert "| none | reference | – | 0 |" in md and "## test: 5 pairs, 177 response tokens; agreement on 5" in md
     assert "**document KV cache** 70.40 MB" in md and md.rstrip().endswith("![KL recovered vs bytes](frontier.png)")

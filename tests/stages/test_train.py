@@ -17,7 +17,8 @@ from targets_fixture import DOC, make_targets  # noqa: E402
 from nectar.modules.io import load_module, read_spec  # noqa: E402
 from nectar.schemas.artifacts import TrainLogRow  # noqa: E402
 from nectar.schemas.config import ModuleConfig, TrainConfig  # noqa: E402
-from nectar.stages.train import TRAIN_OUTPUTS, TrainInputError, train  # noqa: E402
+from nectar.stages.train import TRAIN_OUTPUTS, train  # noqa: E402
+from nectar.training.fit import TrainInputError  # noqa: E402
 from nectar.tables import read_table  # noqa: E402
 
 CFG = TrainConfig(samples=96, batch_size=16, eval_every=3, checkpoint_every=3, peak_lr=3e-3,
@@ -52,6 +53,26 @@ def test_quadrature_needs_the_document_kv(tiny_llama, targets, tmp_path):
         train(targets[0], cfg, tiny_llama, None, str(tmp_path))
     counts = train(targets[0], cfg.model_copy(update={"samples": 32}), tiny_llama, targets[2], str(tmp_path))
     assert counts["steps"] == 2
+
+
+def test_a_quantized_state_trains_in_float_and_is_stored_and_loaded_on_its_grid(tiny_llama, targets, tmp_path):
+    """train.module.bits = 4: more pairs in the bytes, trained in float, saved as int4 codes (the file's
+    tensor bytes are the spec's module_bytes) and loaded back to values on the int4 grid."""
+    from nectar.modules.stored import stored_nbytes
+    from nectar.quantization import fake_quantize
+
+    cfg = CFG.model_copy(update={"samples": 32, "module": ModuleConfig(arch="quadrature", rho=0.1, bias=True,
+                                                                       init="attention_matching", bits=4)})
+    train(targets[0], cfg, tiny_llama, targets[2], str(tmp_path))
+    spec = read_spec(str(tmp_path))
+    f32 = ModuleConfig(arch="quadrature", rho=0.1, bias=True)
+    assert spec.module_config["bits"] == 4 and spec.module_config["quad_pairs"][0] > 0.1 * targets[1].n
+    module, _ = load_module(str(tmp_path), tiny_llama, targets[3])
+    assert spec.module_bytes == stored_nbytes(module) <= 0.1 * spec.kv_cache_bytes
+    assert sum(t.numel() * t.element_size() for t in load_file(str(tmp_path / "module.safetensors")).values()) \
+        == spec.module_bytes
+    W = module.layers[0].W.detach()
+    assert torch.equal(fake_quantize(W, 4), W) and f32.bits == 32
 
 
 def test_targets_of_another_model_are_refused(tiny_qwen3, targets, tmp_path):
