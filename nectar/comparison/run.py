@@ -9,7 +9,8 @@
   3. fit    the closed-form baselines (nectar.baselines, seconds)
   4. score  every provider on every held-out pair in one pass (evaluation/scoring.py: the full and
             no-document passes and the full model's continuations are shared by all systems), with
-            one paired bootstrap over pairs per split
+            one paired bootstrap over pairs per split; kvpress presses (``kvpress:<press>``) are
+            scored on the same pairs in kvpress's own venv (nectar/kvpress/) and join the bootstrap
   5. write  RUN/compare/comparison.parquet (ComparisonRow), comparison.md, frontier.png, info.json
 """
 from __future__ import annotations
@@ -20,12 +21,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..attention.doc_kv import prefill_document
 from ..attention.exact import ExactDocState
 from ..evaluation.scoring import score_providers
 from ..evaluation.selection import evaluated_splits, select_pairs
+from ..evaluation.teacher import EvalPair
+from ..kvpress import BridgeResult, KvpressEnvError, KvpressError, PressJob, score_presses
 from ..modules.budget import BudgetError
 from ..modules.builder import ModulePlan, plan_from_config
-from ..orchestration.context import RunContext, StageInputError, load_base, load_run_doc_kv, open_run
+from ..orchestration.context import (SHARED_DATA_STAGES, RunContext, StageInputError, load_base, load_run_doc_kv,
+                                     open_run)
 from ..orchestration.executor import RunDir, now
 from ..orchestration.runners import run_targets, run_train
 from ..schemas.artifacts import ComparisonRow, RunManifest, TargetsPairRow
@@ -166,7 +171,7 @@ def plan_jobs(ctx: RunContext, systems: list[str] | None = None, rhos: list[floa
             jobs.append(Job(s, None))
             continue
         for rho in budgets:
-            if s.kind == "trained":
+            if s.kind == "trained":  # baselines and kvpress presses: one job per budget
                 config = trained_config(ctx.config, s, rho)
                 jobs.append(Job(s, rho, config, variant_for(ctx, f"{s.name}_rho-{rho:g}", config)))
             else:
@@ -208,9 +213,10 @@ def train_missing(jobs: list[Job], train_stage: TrainStage, progress: Callable[[
 class Obtained:
     provider: Any
     state_bytes: int
-    seconds: float | None  # training (from its manifest) or fitting time
+    seconds: float | None  # training (from its manifest), fitting or press time
     arch: str | None
     source: str
+    state_seconds: float | None = None  # document → usable state (see ComparisonRow.state_seconds)
 
 
 def obtain(job: Job, ctx: RunContext, base, doc_kv, dims: dict[str, Any]) -> Obtained:
@@ -220,6 +226,8 @@ def obtain(job: Job, ctx: RunContext, base, doc_kv, dims: dict[str, Any]) -> Obt
         return Obtained(None, 0, None, None, "no document")
     if s.name == "full":
         return Obtained(ExactDocState(doc_kv), doc_kv.nbytes(), None, None, "document KV cache")
+    if s.kind == "kvpress":
+        return Obtained(None, 0, None, s.press, "kvpress")  # scored in kvpress's venv (score_kvpress)
     if s.kind == "trained":
         from ..modules.io import load_module
         from ..modules.provider import ModuleDocState
@@ -246,6 +254,70 @@ class CompareResult:
     markdown: str = ""
 
 
+def data_stage_seconds(ctx: RunContext) -> float | None:
+    """Seconds the run's data stages took (chunk → targets, from their manifests): what a state that
+    reads the captured queries waits for before its own fit or training."""
+    total = 0.0
+    for stage in SHARED_DATA_STAGES:
+        manifest = ctx.stage_run(stage).read_manifest(stage)
+        if manifest is None:
+            return None
+        total += manifest.duration_s
+    return total
+
+
+def prefill_seconds(base, context_ids) -> float:
+    """Seconds of one prefill of the document: the full KV cache's time to state."""
+    t0 = time.perf_counter()
+    prefill_document(base, context_ids)
+    return time.perf_counter() - t0
+
+
+def state_seconds(job: Job, o: Obtained, data_s: float | None, prefill_s: float) -> float | None:
+    s = job.system
+    if s.name == "none":
+        return 0.0
+    if s.name == "full":
+        return prefill_s
+    if s.kind == "kvpress" or (s.kind == "baseline" and s.baseline == "truncate"):
+        return o.seconds  # from the document alone
+    if o.seconds is None or data_s is None:
+        return None
+    return data_s + o.seconds  # trained states and the baselines that read the captured queries
+
+
+def score_kvpress(ctx: RunContext, base, context_ids, doc_kv, pairs: list[EvalPair], jobs: list[Job],
+                  obtained: dict[str, "Obtained"], sums: dict, notes: dict[str, Any]) -> list[Job]:
+    """Score the kvpress jobs in kvpress's venv; fill ``sums`` and ``obtained`` for those that ran and
+    return them. Jobs that cannot run are reported (printed and in ``notes``) and left out: the
+    comparison goes on without their rows."""
+    if not jobs:
+        return []
+    press_jobs = [PressJob(j.key, j.system.press, j.rho, j.system.bits) for j in jobs]
+    try:
+        result: BridgeResult = score_presses(base, ctx.config.model, list(context_ids), doc_kv, pairs, press_jobs,
+                                             ctx.run.local_path("compare", "kvpress"))
+    except (KvpressEnvError, KvpressError) as exc:
+        print(f"kvpress rows left out: {exc}")
+        notes["kvpress"] = {"error": str(exc)}
+        return []
+    notes["kvpress"] = {**result.facts, "guard_max_token_kl": result.guard_max_kl, "errors": result.errors}
+    for key, why in result.errors.items():
+        print(f"kvpress row {key} left out: {why}")
+    ran = []
+    for j in jobs:
+        r = result.results.get(j.key)
+        if r is None:
+            continue
+        sums[j.key] = r.sums
+        precision = "fp32" if j.system.bits == 32 else f"int{j.system.bits}"
+        obtained[j.key] = Obtained(None, r.state_bytes, r.press_s, j.system.press,
+                                   f"kvpress {result.facts.get('kvpress_version') or ''} {j.system.press}, "
+                                   f"{r.kept_entries} entries at {precision}")
+        ran.append(j)
+    return ran
+
+
 def score_and_write(ctx: RunContext, jobs: list[Job], progress: ProgressFactory | None = None,
                     timings: dict[str, float] | None = None) -> CompareResult:
     """Steps 3–5: fit the baselines, score every job's provider on the held-out pairs, write the outputs."""
@@ -269,8 +341,17 @@ def score_and_write(ctx: RunContext, jobs: list[Job], progress: ProgressFactory 
     g, _ = open_targets(targets_zarr_url(targets))
     target_rows = read_table(f"{targets}/pairs.parquet", TargetsPairRow)
     sel = select_pairs(target_rows, g["token_ids"][:], cfg, evaluated_splits(target_rows, cfg))
+    kv_jobs = [j for j in jobs if j.system.kind == "kvpress"]
+    extra_sums: dict = {}
+    notes: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    ran = score_kvpress(ctx, base, layout.context_ids, doc_kv, sel.pairs, kv_jobs, obtained, extra_sums, notes)
+    if kv_jobs:
+        timings["kvpress_s"] = time.perf_counter() - t0
+    jobs = [j for j in jobs if j.system.kind != "kvpress" or j in ran]
     providers = {"full": obtained["full"].provider if "full" in obtained else ExactDocState(doc_kv), "none": None,
-                 **{k: o.provider for k, o in obtained.items() if k not in ("full", "none")}}
+                 **{k: o.provider for k, o in obtained.items()
+                    if k not in ("full", "none") and k not in {j.key for j in kv_jobs}}}
     bars: dict[str, Callable[[int, int], None]] = {}
 
     def step(name: str, done: int, total: int) -> None:
@@ -278,13 +359,17 @@ def score_and_write(ctx: RunContext, jobs: list[Job], progress: ProgressFactory 
             bars[name] = bar(f"compare:{name}")
         bars[name](done, total)
 
-    _, quality = score_providers(base, layout.n, providers, sel, cfg, SCORE_BATCH, GEN_BATCH, step, timings)
+    _, quality = score_providers(base, layout.n, providers, sel, cfg, SCORE_BATCH, GEN_BATCH, step, timings,
+                                 extra_sums)
+    data_s, prefill_s = data_stage_seconds(ctx), prefill_seconds(base, layout.context_ids)
+    for job in jobs:
+        obtained[job.key].state_seconds = state_seconds(job, obtained[job.key], data_s, prefill_s)
     rows = comparison_rows(jobs, obtained, quality)
     timings["total_s"] = sum(v for k, v in timings.items() if k != "total_s")
     facts = {"run": ctx.run.root, "document": ctx.info.source_uri, "model": base.name, "n": layout.n,
              "kv_bytes": doc_kv.nbytes(), "kv_dtype": str(doc_kv.keys[0].dtype).removeprefix("torch."),
              "created_at": now()}
-    return write_outputs(ctx.run, rows, facts, timings)
+    return write_outputs(ctx.run, rows, facts, timings, notes)
 
 
 def comparison_rows(jobs: list[Job], obtained: dict[str, Obtained], quality) -> list[ComparisonRow]:
@@ -295,13 +380,13 @@ def comparison_rows(jobs: list[Job], obtained: dict[str, Obtained], quality) -> 
             cols = by_system[job.key].columns()
             rows.append(ComparisonRow(
                 system=job.system.name, kind=job.system.kind, regime=job.system.regime, arch=o.arch, rho=job.rho,
-                state_bytes=o.state_bytes, split=split, train_seconds=o.seconds, source=o.source,
-                **{k: v for k, v in cols.items() if k in ComparisonRow.model_fields}))
+                state_bytes=o.state_bytes, split=split, train_seconds=o.seconds, state_seconds=o.state_seconds,
+                source=o.source, **{k: v for k, v in cols.items() if k in ComparisonRow.model_fields}))
     return rows
 
 
 def write_outputs(run: RunDir, rows: list[ComparisonRow], facts: dict[str, Any],
-                  timings: dict[str, float]) -> CompareResult:
+                  timings: dict[str, float], notes: dict[str, Any] | None = None) -> CompareResult:
     from ..evaluation.plots import frontier
     from .table import comparison_markdown
 
@@ -318,7 +403,8 @@ def write_outputs(run: RunDir, rows: list[ComparisonRow], facts: dict[str, Any],
     info = {**facts, "timings_s": {k: round(v, 2) for k, v in timings.items()},
             "systems": list(dict.fromkeys(r.system for r in rows)),
             "rhos": sorted({r.rho for r in rows if r.rho is not None}),
-            "splits": {s: next(r.n_pairs for r in rows if r.split == s) for s in dict.fromkeys(r.split for r in rows)}}
+            "splits": {s: next(r.n_pairs for r in rows if r.split == s) for s in dict.fromkeys(r.split for r in rows)},
+            **(notes or {})}
     atomic_write(f"{out}/info.json", json.dumps(info, indent=1, default=str))
     return CompareResult(rows, files, info["timings_s"], md)
 

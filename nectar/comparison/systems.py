@@ -9,6 +9,10 @@
   baseline   a closed-form fit on the document KV and the captured targets,
              ``nectar.baselines.fit_baseline(name, doc_kv, targets_url, plan, seed)``, sized to the
              bytes of the module plan at the same ρ.
+  kvpress    a press of NVIDIA's kvpress library (``kvpress:<press>``, optionally ``:int8`` / ``:int4``
+             for kept keys and values stored at that precision), run in its own venv on the same token
+             ids (nectar/kvpress/), keeping the entries whose stored bytes are ρ of the document KV.
+             Asked for by name only (``kvpress:all`` = every press that runs offline).
 
 Adding a system is adding one entry, e.g. the matching module refined by the mixed loss instead:
 
@@ -20,10 +24,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from ..kvpress.worker import PRESSES, UNAVAILABLE
 from ..schemas.config import PipelineConfig, TrainConfig
 from ..schemas.presets import PRESET_REGIMES, PRESETS, REGIMES, ConfigError, deep_merge, regime_overlay
 
-Kind = Literal["reference", "trained", "baseline"]
+Kind = Literal["reference", "trained", "baseline", "kvpress"]
+KVPRESS_PREFIX = "kvpress:"
+KVPRESS_BITS = {"int8": 8, "int4": 4}
 
 
 @dataclass(frozen=True)
@@ -34,12 +41,15 @@ class System:
     regime: str | None = None  # trained: the REGIMES overlay
     overlay: dict[str, Any] = field(default_factory=dict)  # trained: further settings on top of the regime
     baseline: str | None = None  # baseline: the name fit_baseline takes
-    bits: int = 32  # baseline: storage precision of its kept entries (trained: train.module.bits in overlay)
+    press: str | None = None  # kvpress: the press (nectar/kvpress/worker.py PRESSES)
+    bits: int = 32  # baseline / kvpress: storage precision of its kept entries (trained: train.module.bits in overlay)
     default: bool = True  # in the default set (``--systems`` unset); opt-in systems train extra variants
 
     def __post_init__(self) -> None:
         if self.kind == "trained" and self.regime is None and not self.overlay:
             raise ValueError(f"trained system {self.name!r} needs a regime or an overlay")
+        if self.kind == "kvpress" and not self.press:
+            raise ValueError(f"kvpress system {self.name!r} needs a press")
         if self.kind == "baseline" and not self.baseline:
             raise ValueError(f"baseline system {self.name!r} needs the name of its fit")
         if self.regime is not None and self.regime not in REGIMES:
@@ -96,22 +106,43 @@ def baselines_available() -> bool:
     return hasattr(baselines, "fit_baseline")
 
 
+def kvpress_systems(name: str) -> list[System]:
+    """``kvpress:<press>[:int8|:int4]`` (or ``kvpress:all[:bits]``) → its systems; one-line errors
+    for unknown presses and for presses that need a model-hub download (listed, never dropped)."""
+    press, _, precision = name[len(KVPRESS_PREFIX):].partition(":")
+    if precision and precision not in KVPRESS_BITS:
+        raise ConfigError(f"system {name!r}: precision {precision!r} is not one of {', '.join(KVPRESS_BITS)} "
+                          "(leave it out for float32)")
+    if press in UNAVAILABLE:
+        raise ConfigError(f"system {name!r} is unavailable offline: {UNAVAILABLE[press]}")
+    if press != "all" and press not in PRESSES:
+        raise ConfigError(f"unknown kvpress press {press!r}; the presses are {', '.join(PRESSES)} (or all); "
+                          f"unavailable offline: {', '.join(UNAVAILABLE)}")
+    suffix = f":{precision}" if precision else ""
+    return [System(f"{KVPRESS_PREFIX}{p}{suffix}", "kvpress", PRESSES[p][3], press=p,
+                   bits=KVPRESS_BITS.get(precision, 32)) for p in (PRESSES if press == "all" else [press])]
+
+
 def resolve(names: list[str] | None) -> list[System]:
-    """The requested systems in registry order. ``None`` means every system this checkout can run
-    (the baselines only when ``nectar.baselines`` is there); a name asked for must exist and run."""
+    """The requested systems in registry order, then the kvpress ones asked for (``kvpress:…``).
+    ``None`` means every registered system this checkout can run (the baselines only when
+    ``nectar.baselines`` is there; kvpress only by name); a name asked for must exist and run."""
     if names is None:
         ok = baselines_available()
         return [s for s in SYSTEMS.values() if s.default and (s.kind != "baseline" or ok)]
+    presses = [s for n in names if n.startswith(KVPRESS_PREFIX) for s in kvpress_systems(n)]
+    names = [n for n in names if not n.startswith(KVPRESS_PREFIX)]
     unknown = [n for n in names if n not in SYSTEMS]
     if unknown:
-        raise ConfigError(f"unknown system {unknown[0]!r}; the systems are {', '.join(SYSTEMS)}")
+        raise ConfigError(f"unknown system {unknown[0]!r}; the systems are {', '.join(SYSTEMS)} and "
+                          "kvpress:<press> (kvpress:all for every press)")
     wanted = set(names)
     chosen = [s for s in SYSTEMS.values() if s.name in wanted]
     missing = [s.name for s in chosen if s.kind == "baseline"]
     if missing and not baselines_available():
         raise ConfigError(f"system {missing[0]!r} is a closed-form baseline and this checkout has no "
                           "nectar.baselines.fit_baseline; update the code or leave it out of --systems")
-    return chosen
+    return chosen + list({s.name: s for s in presses}.values())
 
 
 # ----- a trained system's configuration -----

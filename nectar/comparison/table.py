@@ -18,7 +18,11 @@ compare the system's greedy continuation of each prompt with the full-context mo
 paired bootstrap intervals over pairs (all systems resampled on the same pairs): two systems whose
 intervals don't overlap differ on this split; overlapping intervals can still differ (the paired
 difference is tighter than either interval). `train s` is the training time of a trained system (from
-its train stage, cached runs included) or the fit time of a closed-form baseline.
+its train stage, cached runs included), the fit time of a closed-form baseline or the press time of a
+kvpress press. `state s` is the time from the document to a usable state: the document's prefill (full);
+the run's data stages (chunk → targets, from their manifests) plus training, or plus the fit for the
+baselines that read the captured queries (evict, attention_matching); the fit alone (truncate); the
+press alone (kvpress, in its own venv; no greedy agreement is run for kvpress rows).
 """
 
 SPLIT_ORDER = {"test": 0, "challenge": 1, "probes": 2}
@@ -44,6 +48,10 @@ def _ci(row: dict[str, Any], key: str, prefix: str) -> str:
     return fmt_interval(row.get(key), row.get(f"{prefix}_ci_low"), row.get(f"{prefix}_ci_high"))
 
 
+def _seconds(s: float | None) -> str:
+    return "–" if s is None else f"{s:.0f}" if s >= 10 else f"{s:.1f}"
+
+
 def sort_key(row: dict[str, Any]) -> tuple:
     ref = {"none": 0, "full": 1}.get(row["system"], 2)
     rec = row.get("recovered_kl")
@@ -53,7 +61,7 @@ def sort_key(row: dict[str, Any]) -> tuple:
 def split_table(rows: Sequence[dict[str, Any]], kv_bytes: int | None) -> str:
     head = ("system", "kind", "ρ", "bytes", "KL to full [95% CI]", "KL recovered, % [95% CI]",
             "token acc, % [95% CI]", "cross-entropy [95% CI]", "ROUGE-L vs full [95% CI]", "exact", "cosine",
-            "train s")
+            "train s", "state s")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in sorted(rows, key=sort_key):
         cells = (r["system"], r["kind"], "–" if r.get("rho") is None else f"{r['rho']:g}",
@@ -63,7 +71,7 @@ def split_table(rows: Sequence[dict[str, Any]], kv_bytes: int | None) -> str:
                  _ci(r, "agreement_rouge_l", "agreement_rouge_l"),
                  "–" if r.get("agreement_exact") is None else f"{100 * r['agreement_exact']:.0f} %",
                  "–" if r.get("agreement_cosine") is None else f"{r['agreement_cosine']:.3f}",
-                 "–" if r.get("train_seconds") is None else f"{r['train_seconds']:.0f}")
+                 _seconds(r.get("train_seconds")), _seconds(r.get("state_seconds")))
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -57,14 +57,18 @@ def quality_by_split(sel: Selection, sums: dict[str, PairSums], continuations: d
 def score_providers(base: BaseLM, n: int, providers: dict[str, Callable | None], sel: Selection,
                     cfg: EvaluateConfig, batch_size: int = 4, gen_batch_size: int = 8,
                     step: Step | None = None, timings: dict[str, float] | None = None,
+                    extra_sums: dict[str, PairSums] | None = None,
                     ) -> tuple[dict[str, PairSums], dict[str, dict[str, SystemQuality]]]:
     """Per-pair sums of every provider (must include "full" and "none") and their quality per split.
-    ``timings`` (when given) receives the seconds of each phase."""
+    ``extra_sums``: per-pair sums over ``sel.pairs`` scored elsewhere (kvpress's presses, in their own
+    venv); they join the same paired bootstrap (no greedy agreement for them). ``timings`` (when
+    given) receives the seconds of each phase."""
     step = step or (lambda *_: None)
     timings = {} if timings is None else timings
     t0 = time.perf_counter()
     sums = teacher_forced_pair_sums(base, providers, sel.pairs, n, batch_size,
                                     lambda d, t: step("teacher_forced", d, t))
+    sums.update(extra_sums or {})
     t1 = time.perf_counter()
     continuations = agreement_continuations(base, n, providers, sel, cfg, gen_batch_size,
                                             lambda d, t: step("agreement", d, t))

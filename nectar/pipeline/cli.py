@@ -151,7 +151,9 @@ def compare(
     systems: Optional[str] = typer.Option(
         None, "--systems", help="Comma-separated subset (default: every system but the opt-in matching@int8/int4: "
                                 "none, full, regression, mixed, distill, cartridges, matching, truncate, evict, "
-                                "attention_matching, and each baseline @int8 and @int4)."),
+                                "attention_matching, and each baseline @int8 and @int4); kvpress presses by name: "
+                                "kvpress:kvzip, kvpress:snapkv, …, kvpress:all, with :int8 / :int4 for quantized "
+                                "keys and values (run in a venv of their own, built on first use)."),
 ) -> None:
     """Every system at equal bytes on the run's held-out pairs: trains what is missing, writes
     RUN_DIR/compare/comparison.{parquet,md} and frontier.png."""

@@ -331,7 +331,7 @@ class ComparisonRow(Artifact):
 
     schema_version: int = 1
     system: str
-    kind: Literal["reference", "trained", "baseline"]
+    kind: Literal["reference", "trained", "baseline", "kvpress"]
     regime: str | None = None  # training regime of a trained system (nectar/schemas/presets.py REGIMES)
     arch: str | None = None
     rho: float | None = None  # the budget: share of the document KV bytes (None for none/full)
@@ -361,5 +361,9 @@ class ComparisonRow(Artifact):
     agreement_cosine: float | None = None
     agreement_cosine_ci_low: float | None = None
     agreement_cosine_ci_high: float | None = None
-    train_seconds: float | None = None  # training (trained) or fitting (baseline) time
+    train_seconds: float | None = None  # training (trained), fitting (baseline) or press (kvpress) time
+    # seconds from the document to a usable state: the document's prefill (full); the data stages
+    # (chunk → targets, from the run's manifests) plus training (trained) or the fit (baselines that
+    # read the captured queries); the fit alone (truncate); the press alone (kvpress)
+    state_seconds: float | None = None
     source: str | None = None  # where the module came from: its run directory, or the baseline's fit

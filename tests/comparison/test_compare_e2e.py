@@ -1,6 +1,7 @@
 """``nectar compare`` end to end on the tiny model: a run with targets (verified dataset written by
 hand, as in tests/pipeline/test_orchestration_tail.py), every system trained or fitted, scored with
 paired intervals, written, and a second compare that trains nothing."""
+import json
 import os
 import subprocess
 import sys
@@ -155,6 +156,55 @@ def test_bad_inputs_are_one_line_errors(tiny_run, tmp_path):
         comparison.plan_jobs(tiny_run, ["regression"], [1e-6])
     jobs = comparison.plan_jobs(tiny_run, ["none", "full"], [0.1, 0.2])
     assert [(j.key, j.rho) for j in jobs] == [("none", None), ("full", None)]  # references once, at no ρ
+
+
+@pytest.fixture(scope="module")
+def kvpress_env():
+    from nectar.kvpress import KvpressEnvError, ensure_env
+
+    try:
+        return ensure_env()
+    except KvpressEnvError as exc:
+        print(f"kvpress environment unavailable: {exc}")
+        pytest.skip(f"kvpress environment unavailable: {exc}")
+
+
+@pytest.mark.slow
+def test_compare_scores_kvpress_presses_on_the_same_pairs(tiny_run, kvpress_env):
+    res = comparison.compare(tiny_run, ["none", "full", "truncate", "kvpress:kvzip", "kvpress:streaming_llm"],
+                             rhos=[0.3])
+    by = {(r.system, r.rho, r.split): r for r in res.rows}
+    rho = tiny_run.config.train.module.rho
+    for split in ("test", "challenge", "probes"):
+        none, full = by[("none", None, split)], by[("full", None, split)]
+        for press in ("kvpress:kvzip", "kvpress:streaming_llm"):
+            for b in (rho, 0.3):
+                r = by[(press, b, split)]
+                assert r.kind == "kvpress" and r.n_tokens == none.n_tokens and r.n_pairs == none.n_pairs
+                assert r.kl_ci_low <= r.kl_to_full <= r.kl_ci_high and r.kl_to_full > 0
+                assert r.recovered_kl_ci_low <= r.recovered_kl <= r.recovered_kl_ci_high
+                # the bytes of ρ of the document KV (kvpress keeps whole (layer, head, token) entries)
+                assert abs(r.state_bytes / full.state_bytes - b) < 0.02
+                assert r.state_seconds == r.train_seconds > 0 and "entries at fp32" in r.source
+        assert full.state_seconds > 0 and none.state_seconds == 0
+    md = open(tiny_run.run.local_path("compare", "comparison.md")).read()
+    assert "| kvpress:kvzip | kvpress | 0.3 |" in md and "state s" in md
+    info = json.load(open(tiny_run.run.local_path("compare", "info.json")))
+    assert 0 <= info["kvpress"]["guard_max_token_kl"] <= 1e-3 and "kvpress:kvzip" in info["systems"]
+
+
+def test_compare_goes_on_without_kvpress_rows_when_its_env_fails_fake_failure(tiny_run, monkeypatch, capsys):
+    from nectar.kvpress import KvpressEnvError, bridge
+
+    def broken(**_):
+        raise KvpressEnvError("kvpress venv: pip install torch==2.13.0 failed (no network); fix: …")
+
+    monkeypatch.setattr(bridge, "ensure_env", broken)
+    res = comparison.compare(tiny_run, ["none", "full", "kvpress:knorm"])
+    assert {r.system for r in res.rows} == {"none", "full"}
+    assert "kvpress rows left out: kvpress venv: pip install torch==2.13.0 failed" in capsys.readouterr().out
+    info = json.load(open(tiny_run.run.local_path("compare", "info.json")))
+    assert "no network" in info["kvpress"]["error"]
 
 
 @pytest.mark.slow
