@@ -13,6 +13,9 @@ counted the same way (every saved tensor).
                       most attention mass from the training queries (offline H2O/SnapKV-style eviction)
   attention_matching  those same keys with a fitted log-mass bias β (NNLS) and least-squares values
                       (Zweiger et al. 2026); p_ℓ = P_ℓ / (2d + 1) so the biases fit in the budget
+  kvzip               keys scored by reconstructing the document (max over its spans), one budget
+                      across all layers and KV heads, sinks kept, optionally with the fitted β and
+                      values (``fit_kvzip``, nectar/baselines/kvzip.py; SelectionConfig switches each)
 
 p_ℓ follows the module plan's per-layer budgets P_ℓ (layer multipliers included), so a baseline and
 a module of the same ρ store the same number of parameters (up to one pair of rounding per head);
@@ -29,12 +32,16 @@ import torch
 
 from ..attention.state import AttnState
 from ..modules.builder import ModulePlan, NectarModule, build_module
+from ..layout import PromptLayout
+from ..models import BaseModel
 from ..modules.provider import ModuleDocState, group_queries
+from ..schemas.config import SelectionConfig
 from .attention_matching import fit_log_mass, fit_values
+from .kvzip import allocate, anchor_mask, build_selected, recon_capture, selection_plan, template_mask
 from .selection import KeyScore, attention_probs, key_scores, top_keys
 
-BaselineName = Literal["truncate", "evict", "attention_matching"]
-BASELINES: tuple[str, ...] = ("truncate", "evict", "attention_matching")
+BaselineName = Literal["truncate", "evict", "attention_matching", "kvzip"]
+BASELINES: tuple[str, ...] = ("truncate", "evict", "attention_matching")  # fit_baseline's (kvzip: fit_kvzip)
 MAX_FIT_TOKENS = 2048  # training query tokens for selection and fitting (seeded sample above; 1k-4k: same fit)
 
 
@@ -54,12 +61,44 @@ class FittedBaseline:
 
     @property
     def nbytes(self) -> int:
-        return module_nbytes(self.module)
+        return module_nbytes(self.module, self.plan)
 
 
-def module_nbytes(module: NectarModule) -> int:
-    """Bytes of everything a module stores (parameters and buffers), as ``make_spec`` counts them."""
-    return sum(t.numel() * t.element_size() for t in module.state_dict().values())
+def module_nbytes(module: NectarModule, plan: ModulePlan | None = None) -> int:
+    """Bytes of everything a module stores (parameters and buffers), as ``make_spec`` counts them;
+    with heads of different widths (``plan.quad_head_pairs``) only their real pairs count."""
+    if plan is None or not plan.quad_head_pairs:
+        return sum(t.numel() * t.element_size() for t in module.state_dict().values())
+    buffers = sum(b.numel() * b.element_size() for b in module.buffers())
+    return buffers + plan.stored_params() * module.layers[0].W.element_size()
+
+
+def fit_kvzip(base: BaseModel, layout: PromptLayout, document: str, doc_kv, targets_url: str | None,
+              plan: ModulePlan, select: SelectionConfig, spans: list[tuple[str, str]],
+              seed: int = 0) -> FittedBaseline:
+    """KVzip-style selection (and the closed-form fit) in the budget of ``plan``: reconstruct the
+    document's ``spans`` ((instruction, response), nectar/stages/recon.py) against its exact KV,
+    keep the best keys, fit β and values (nectar/baselines/kvzip.py)."""
+    cap = recon_capture(base, layout, doc_kv, spans, select.aggregate)
+    template = template_mask(layout, document) if select.template_tokens else None
+    per_pair = 2 * plan.head_dim + (1 if select.fit else 0)
+    kept = allocate(cap.scores, plan, per_pair, select.budget, anchor_mask(layout.n, select.sink_tokens, template))
+    qplan = selection_plan(plan, kept, select.fit)
+    queries = None
+    if select.fit:
+        queries = QueryTargets(cap.q, cap.alpha, cap.A)
+        if len(queries.q) > MAX_FIT_TOKENS:
+            keep = torch.from_numpy(np.sort(np.random.default_rng(seed).choice(len(queries.q), MAX_FIT_TOKENS,
+                                                                               replace=False)))
+            queries = QueryTargets(queries.q[keep], queries.alpha[keep], queries.A[keep])
+        if select.fit_queries == "recon+train" and targets_url is not None:
+            train = training_queries(targets_url, seed)
+            queries = QueryTargets(torch.cat([queries.q, train.q.float()]), torch.cat([queries.alpha, train.alpha.float()]),
+                                   torch.cat([queries.A, train.A.float()]))
+    module = build_selected(qplan, kept, doc_kv, queries)
+    fitted = FittedBaseline("kvzip", module, qplan)
+    fitted.scores = cap.scores  # [L, Hkv, n]: what the allocation ranked (for the report's heat map)
+    return fitted
 
 
 def baseline_plan(name: str, plan: ModulePlan) -> ModulePlan:

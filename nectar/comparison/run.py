@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from ..attention.exact import ExactDocState
 from ..evaluation.scoring import score_providers
-from ..evaluation.selection import evaluated_splits, select_pairs
+from ..evaluation.selection import evaluated_splits, select_pairs, with_subset
 from ..modules.budget import BudgetError
 from ..modules.builder import ModulePlan, plan_from_config
 from ..orchestration.context import RunContext, StageInputError, load_base, load_run_doc_kv, open_run
@@ -223,10 +223,40 @@ def obtain(job: Job, ctx: RunContext, base, doc_kv, dims: dict[str, Any]) -> Obt
     from ..baselines import fit_baseline
 
     t0 = time.perf_counter()
-    provider = fit_baseline(s.baseline, doc_kv, ctx.stage_run("targets").url("targets"),
-                            baseline_plan(ctx, job.rho, dims), seed=ctx.config.train.seed)
+    targets_url = ctx.stage_run("targets").url("targets")
+    if s.baseline == "kvzip":
+        provider = _fit_kvzip(s, ctx, base, doc_kv, targets_url, baseline_plan(ctx, job.rho, dims))
+    else:
+        provider = fit_baseline(s.baseline, doc_kv, targets_url, baseline_plan(ctx, job.rho, dims),
+                                seed=ctx.config.train.seed)
     seconds = time.perf_counter() - t0
     return Obtained(provider, int(provider.nbytes), seconds, s.baseline, f"fit_baseline({s.baseline!r})")
+
+
+def _fit_kvzip(s: System, ctx: RunContext, base, doc_kv, targets_url: str, plan: ModulePlan):
+    """A kvzip system: the run's selection settings with the system's switches (SelectionConfig)."""
+    from ..baselines import fit_kvzip
+    from ..layout import build_layout
+    from ..stages.recon import make_recon
+
+    select = ctx.config.train.module.select.model_copy(update=s.options)
+    tcfg = ctx.config.targets
+    spans = [(r.instruction, r.response) for r in make_recon(ctx.text, tcfg.recon, tcfg.probes)]
+    return fit_kvzip(base, build_layout(base.tokenizer, ctx.text), ctx.text, doc_kv, targets_url, plan, select,
+                     spans, seed=ctx.config.train.seed)
+
+
+def withheld_probe_ids(ctx: RunContext, targets_url: str) -> set[str]:
+    """Held-out probes lying wholly in the units reconstruction leaves out (nectar/stages/recon.py)."""
+    from ..schemas.artifacts import ProbeRow
+    from ..stages.probes import split_units
+    from ..stages.recon import withheld_units
+
+    tcfg = ctx.config.targets
+    withheld = withheld_units(len(split_units(ctx.text)), tcfg.recon, tcfg.probes)
+    probes = read_table(f"{targets_url}/probes.parquet", ProbeRow)
+    return {p.probe_id for p in probes if p.split == "probes"
+            and all(u in withheld for u in range(p.first_unit, p.last_unit + 1))}
 
 
 @dataclass
@@ -260,6 +290,8 @@ def score_and_write(ctx: RunContext, jobs: list[Job], progress: ProgressFactory 
     g, _ = open_targets(f"{targets}/targets.zarr")
     target_rows = read_table(f"{targets}/pairs.parquet", TargetsPairRow)
     sel = select_pairs(target_rows, g["token_ids"][:], cfg, evaluated_splits(target_rows, cfg))
+    if any(j.system.baseline == "kvzip" for j in jobs):  # what reconstruction saw vs what it did not
+        sel = with_subset(sel, "probes", "probes_withheld", withheld_probe_ids(ctx, targets), cfg)
     providers = {"full": obtained["full"].provider if "full" in obtained else ExactDocState(doc_kv), "none": None,
                  **{k: o.provider for k, o in obtained.items() if k not in ("full", "none")}}
     bars: dict[str, Callable[[int, int], None]] = {}

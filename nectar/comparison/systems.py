@@ -34,6 +34,8 @@ class System:
     regime: str | None = None  # trained: the REGIMES overlay
     overlay: dict[str, Any] = field(default_factory=dict)  # trained: further settings on top of the regime
     baseline: str | None = None  # baseline: the name fit_baseline takes
+    options: dict[str, Any] = field(default_factory=dict)  # baseline kvzip: SelectionConfig settings
+    listed: bool = True  # part of a compare without --systems (ablations only when asked for)
 
     def __post_init__(self) -> None:
         if self.kind == "trained" and self.regime is None and not self.overlay:
@@ -68,6 +70,24 @@ for _s in (
     System("evict", "baseline", "exact KV of the ρ·n most-attended tokens per KV head", baseline="evict"),
     System("attention_matching", "baseline", "the evicted keys with fitted log-mass biases and "
            "least-squares values (Zweiger et al., 2026)", baseline="attention_matching"),
+    # KVzip-style selection (nectar/baselines/kvzip.py) and its ablations: each differs from
+    # kvzip_select / kvzip_fit in one SelectionConfig switch.
+    System("kvzip_select", "baseline", "exact KV of the keys reconstruction attends to most (max over spans), "
+           "one budget across layers and KV heads, 4 sink tokens (KVzip)", baseline="kvzip", options={"fit": False}),
+    System("kvzip_select_layer", "baseline", "kvzip_select with the plan's budget per layer",
+           baseline="kvzip", options={"fit": False, "budget": "layer"}, listed=False),
+    System("kvzip_select_mean", "baseline", "kvzip_select scoring keys by mean instead of max",
+           baseline="kvzip", options={"fit": False, "aggregate": "mean"}, listed=False),
+    System("kvzip_fit", "baseline", "kvzip_select's keys with fitted log-mass biases and least-squares values "
+           "on reconstruction + train queries", baseline="kvzip", options={"fit": True}),
+    System("kvzip_fit_layer", "baseline", "kvzip_fit with the plan's budget per layer",
+           baseline="kvzip", options={"fit": True, "budget": "layer"}, listed=False),
+    System("kvzip_fit_recon", "baseline", "kvzip_fit on reconstruction queries only",
+           baseline="kvzip", options={"fit": True, "fit_queries": "recon"}, listed=False),
+    System("kvzip_fit_nosink", "baseline", "kvzip_fit without sink tokens",
+           baseline="kvzip", options={"fit": True, "sink_tokens": 0}, listed=False),
+    System("kvzip_fit_template", "baseline", "kvzip_fit keeping every chat-template token exact",
+           baseline="kvzip", options={"fit": True, "template_tokens": True}, listed=False),
 ):
     register(_s)
 
@@ -86,7 +106,7 @@ def resolve(names: list[str] | None) -> list[System]:
     (the baselines only when ``nectar.baselines`` is there); a name asked for must exist and run."""
     if names is None:
         ok = baselines_available()
-        return [s for s in SYSTEMS.values() if s.kind != "baseline" or ok]
+        return [s for s in SYSTEMS.values() if s.listed and (s.kind != "baseline" or ok)]
     unknown = [n for n in names if n not in SYSTEMS]
     if unknown:
         raise ConfigError(f"unknown system {unknown[0]!r}; the systems are {', '.join(SYSTEMS)}")

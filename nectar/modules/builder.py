@@ -40,6 +40,10 @@ class ModulePlan:
     mlp_widths: tuple[tuple[int, int, int], ...] = ()  # per layer (w_b, w_s, w_t)
     quad_pairs: tuple[int, ...] = ()  # per layer p
     quad_bias: bool = False  # quadrature: a log-mass bias β per pair (p = P / (2d + 1))
+    # quadrature with heads of different widths (nectar/baselines/kvzip.py): the real pairs of every
+    # (layer, KV head); quad_pairs[ℓ] is then the widest head and the others' slots are masked (β = −inf)
+    quad_head_pairs: tuple[tuple[int, ...], ...] = ()
+    quad_bias_stored: bool = True  # False: β only masks those slots (exact KV kept), it stores nothing
 
     def mlp_shapes(self, layer: int) -> MLPLayerShapes:
         d, (d_b, d_s, d_t) = self.head_dim, self.depths
@@ -55,6 +59,13 @@ class ModulePlan:
         if self.arch == "quadrature":
             return self.quad_pairs[layer] * (2 * self.head_dim + (1 if self.quad_bias else 0))
         return self.mlp_shapes(layer).n_params()
+
+    def stored_params(self) -> int:
+        """Parameters the state really holds: every head's own pairs (masked slots hold nothing)."""
+        if self.arch == "quadrature" and self.quad_head_pairs:
+            per_pair = 2 * self.head_dim + (1 if self.quad_bias and self.quad_bias_stored else 0)
+            return per_pair * sum(sum(heads) for heads in self.quad_head_pairs)
+        return self.num_kv_heads * sum(self.head_params(layer) for layer in range(self.num_layers))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

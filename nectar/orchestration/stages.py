@@ -175,6 +175,7 @@ def run_targets(ctx: RunContext, force: bool = False) -> StageOutcome:
     from ..layout import build_layout, check_fits
     from ..schemas.artifacts import ProbeRow
     from ..stages.probes import make_probes, probe_dataset_rows
+    from ..stages.recon import make_recon, recon_dataset_rows
     from ..stages.targets import build_targets, plan_pairs, targets_size
     from ..tables import write_table
     from ..targets.size import check_budget
@@ -193,6 +194,9 @@ def run_targets(ctx: RunContext, force: bool = False) -> StageOutcome:
         write_table(f"{url}/probes.parquet", probes, ProbeRow)
         rows = rows + [r for r in probe_dataset_rows(probes, cfg.probes.train)
                        if cfg.probes.held_out or r.split == "train"]
+        # Reconstruction spans (targets.recon.capture): training queries of their own split "recon".
+        recon = make_recon(ctx.text, cfg.recon, cfg.probes) if cfg.recon.capture else []
+        rows = rows + recon_dataset_rows(recon)
         # The size of the outputs, before the document prefill or any capture: refused over max_bytes.
         planned = plan_pairs(rows, layout, cfg)
         size = targets_size(planned, base, cfg)
@@ -206,6 +210,7 @@ def run_targets(ctx: RunContext, force: bool = False) -> StageOutcome:
                       bytes_written=_bytes_under(f"{url}/targets.zarr"))
         counts["probes_held_out"] = sum(p.split == "probes" for p in probes)
         counts["probes_train"] = sum(p.split == "train" for p in probes) if cfg.probes.train else 0
+        counts["recon_spans"] = len(recon)
         return ["targets.zarr", "pairs.parquet", "probes.parquet", "doc_kv.safetensors"], counts
 
     return _run(ctx, "targets", _stage_config(ctx, "targets"), inputs, body, force, repair=_repair_targets)

@@ -31,6 +31,8 @@ class FrozenConfig(BaseModel):
             if extra.get("resource"):
                 continue
             value = getattr(self, name)
+            if extra.get("feature") and value == field.default:
+                continue  # a switch still at its default: runs made before it existed keep their keys
             out[name] = value.cache_dict() if isinstance(value, FrozenConfig) else _plain(value)
         return out
 
@@ -48,6 +50,12 @@ def _plain(value: Any) -> Any:
 def resource(default: Any, **kwargs: Any) -> Any:
     """A field that changes how fast or where a stage runs, never what it produces."""
     return Field(default, json_schema_extra={"resource": True}, **kwargs)
+
+
+def feature(default: Any, **kwargs: Any) -> Any:
+    """A switch added after runs were made: it enters cache keys only when set away from its default,
+    so adding it leaves every existing stage cached."""
+    return Field(default, json_schema_extra={"feature": True}, **kwargs)
 
 
 class Artifact(BaseModel):

@@ -9,14 +9,18 @@ from nectar.tables import ArtifactError, read_table, write_table
 
 def test_registry_holds_the_issue_systems_once_each():
     assert list(SYSTEMS) == ["none", "full", "regression", "mixed", "distill", "cartridges", "matching", "truncate",
-                             "evict", "attention_matching"]
+                             "evict", "attention_matching", "kvzip_select", "kvzip_select_layer",
+                             "kvzip_select_mean", "kvzip_fit", "kvzip_fit_layer", "kvzip_fit_recon",
+                             "kvzip_fit_nosink", "kvzip_fit_template"]
     assert {s.name for s in SYSTEMS.values() if s.kind == "reference"} == {"none", "full"}
     for s in SYSTEMS.values():
         if s.kind == "trained":
             assert s.regime == s.name
         if s.kind == "baseline":
-            assert s.baseline in BASELINES  # a name fit_baseline accepts
-    assert [s.name for s in resolve(None)] == list(SYSTEMS)  # this checkout has the baselines
+            assert s.baseline in (*BASELINES, "kvzip")  # a name fit_baseline (or fit_kvzip) accepts
+    # this checkout has the baselines; the ablations run only when asked for
+    assert [s.name for s in resolve(None)] == [s for s in SYSTEMS if s in ("kvzip_select", "kvzip_fit")
+                                               or not s.startswith("kvzip")]
     assert [s.name for s in resolve(["evict", "none"])] == ["none", "evict"]  # registry order
     with pytest.raises(ConfigError, match="unknown system 'x'"):
         resolve(["x"])
