@@ -31,9 +31,9 @@ import numpy as np
 import torch
 
 from ..attention.state import AttnState
-from ..modules.builder import ModulePlan, NectarModule, build_module
+from ..modules.builder import ModulePlan, NectarModule, build_module, stored_nbytes
 from ..layout import PromptLayout
-from ..models import BaseModel
+from ..base_model import BaseLM
 from ..modules.provider import ModuleDocState, group_queries
 from ..schemas.config import SelectionConfig
 from .attention_matching import fit_log_mass, fit_values
@@ -67,18 +67,18 @@ class FittedBaseline:
 def module_nbytes(module: NectarModule, plan: ModulePlan | None = None) -> int:
     """Bytes of everything a module stores (parameters and buffers), as ``make_spec`` counts them;
     with heads of different widths (``plan.quad_head_pairs``) only their real pairs count."""
-    if plan is None or not plan.quad_head_pairs:
+    if plan is None:
         return sum(t.numel() * t.element_size() for t in module.state_dict().values())
-    buffers = sum(b.numel() * b.element_size() for b in module.buffers())
-    return buffers + plan.stored_params() * module.layers[0].W.element_size()
+    return stored_nbytes(module, plan)
 
 
-def fit_kvzip(base: BaseModel, layout: PromptLayout, document: str, doc_kv, targets_url: str | None,
+def fit_kvzip(base: BaseLM, layout: PromptLayout, document: str, doc_kv, targets,
               plan: ModulePlan, select: SelectionConfig, spans: list[tuple[str, str]],
               seed: int = 0) -> FittedBaseline:
     """KVzip-style selection (and the closed-form fit) in the budget of ``plan``: reconstruct the
     document's ``spans`` ((instruction, response), nectar/stages/recon.py) against its exact KV,
-    keep the best keys, fit β and values (nectar/baselines/kvzip.py)."""
+    keep the best keys, fit β and values (nectar/baselines/kvzip.py). ``targets``: the targets (a
+    URL or an open ``TargetsData``) whose train queries join the fit (``fit_queries``), or None."""
     cap = recon_capture(base, layout, doc_kv, spans, select.aggregate)
     template = template_mask(layout, document) if select.template_tokens else None
     per_pair = 2 * plan.head_dim + (1 if select.fit else 0)
@@ -91,8 +91,8 @@ def fit_kvzip(base: BaseModel, layout: PromptLayout, document: str, doc_kv, targ
             keep = torch.from_numpy(np.sort(np.random.default_rng(seed).choice(len(queries.q), MAX_FIT_TOKENS,
                                                                                replace=False)))
             queries = QueryTargets(queries.q[keep], queries.alpha[keep], queries.A[keep])
-        if select.fit_queries == "recon+train" and targets_url is not None:
-            train = training_queries(targets_url, seed)
+        if select.fit_queries == "recon+train" and targets is not None:
+            train = training_queries(targets, seed)
             queries = QueryTargets(torch.cat([queries.q, train.q.float()]), torch.cat([queries.alpha, train.alpha.float()]),
                                    torch.cat([queries.A, train.A.float()]))
     module = build_selected(qplan, kept, doc_kv, queries)

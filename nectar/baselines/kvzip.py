@@ -27,7 +27,7 @@ from ..attention.exact import ExactDocState
 from ..attention.interface import nectar_attention
 from ..attention.state import AttnState
 from ..layout import PromptLayout
-from ..models import BaseModel
+from ..base_model import BaseLM
 from ..modules.builder import ModulePlan, NectarModule, build_module
 from ..modules.provider import group_queries
 from ..targets.capture import pack
@@ -78,7 +78,7 @@ class _ScoreRecorder:
 
 
 @torch.no_grad()
-def recon_capture(base: BaseModel, layout: PromptLayout, doc_kv, spans: list[tuple[str, str]],
+def recon_capture(base: BaseLM, layout: PromptLayout, doc_kv, spans: list[tuple[str, str]],
                   aggregate: str = "max") -> ReconCapture:
     """Run the reconstruction spans ((instruction, response) pairs) against the exact document KV."""
     if not spans:

@@ -88,6 +88,15 @@ for _s in (
            baseline="kvzip", options={"fit": True, "sink_tokens": 0}, listed=False),
     System("kvzip_fit_template", "baseline", "kvzip_fit keeping every chat-template token exact",
            baseline="kvzip", options={"fit": True, "template_tokens": True}, listed=False),
+    # kvzip_fit's state refined through the train stage (init "kvzip"): by the regression loss on the
+    # captured targets (matching's refinement), or end to end by the KL to the teacher through the
+    # frozen model (every stored key, β and value trained), on the train pairs.
+    System("kvzip_train", "trained", "kvzip_fit refined by regression on the captured targets (matching's loss)",
+           regime="matching", overlay={"train": {"module": {"init": "kvzip"}}}, listed=False),
+    System("kvzip_distill", "trained", "kvzip_fit refined end to end by the KL to the full model's top-K",
+           regime="matching", overlay={"train": {"lambda_alpha": 0.0, "lambda_A": 0.0, "lambda_kl": 1.0,
+                                                 "samples": 240, "batch_size": 4, "peak_lr": 1e-3,
+                                                 "module": {"init": "kvzip"}}}, listed=False),
 ):
     register(_s)
 

@@ -161,6 +161,15 @@ class NectarModule(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
+def stored_nbytes(module: NectarModule, plan: ModulePlan) -> int:
+    """Bytes a module stores: every saved tensor, except that with heads of different widths
+    (``plan.quad_head_pairs``) only their real pairs count, not the masked slots that pad a layer."""
+    if not plan.quad_head_pairs:
+        return sum(t.numel() * t.element_size() for t in module.state_dict().values())
+    buffers = sum(b.numel() * b.element_size() for b in module.buffers())
+    return buffers + plan.stored_params() * module.layers[0].W.element_size()
+
+
 def build_module(plan: ModulePlan, doc_keys: list[torch.Tensor] | None = None,
                  doc_values: list[torch.Tensor] | None = None, seed: int = 0) -> NectarModule:
     """Instantiate a plan. Quadrature needs the document KV (per layer [Hkv, n, d]) to initialise

@@ -112,7 +112,10 @@ def _stage_config(ctx: RunContext, stage: str) -> dict[str, Any]:
     own = getattr(cfg, stage).cache_dict() if stage in ("chunk", "synthesize", "verify", "targets",
                                                         "train", "evaluate") else {}
     # Stages that run the base model depend on it too.
-    return {stage: own, "model": cfg.model.cache_dict()}
+    out = {stage: own, "model": cfg.model.cache_dict()}
+    if stage == "train" and cfg.train.module.init == "kvzip":  # it selects keys on the reconstruction spans
+        out["recon"] = {"recon": cfg.targets.recon.cache_dict(), "probes": cfg.targets.probes.cache_dict()}
+    return out
 
 
 def run_chunk(ctx: RunContext, force: bool = False) -> StageOutcome:
@@ -217,6 +220,7 @@ def run_targets(ctx: RunContext, force: bool = False) -> StageOutcome:
 
 
 def run_train(ctx: RunContext, force: bool = False) -> StageOutcome:
+    from ..stages.recon import make_recon
     from ..stages.train import TRAIN_OUTPUTS, train
 
     inputs = _upstream_outputs(ctx, "train")
@@ -229,8 +233,12 @@ def run_train(ctx: RunContext, force: bool = False) -> StageOutcome:
         targets = ctx.stage_run("targets").url("targets")
         online = open_targets(targets_zarr_url(targets))[1].mode == "online"
         doc_kv = load_run_doc_kv(ctx) if ctx.config.train.module.arch == "quadrature" or online else None
+        spans = None
+        if ctx.config.train.module.init == "kvzip":
+            spans = [(r.instruction, r.response) for r in make_recon(ctx.text, ctx.config.targets.recon,
+                                                                     ctx.config.targets.probes)]
         counts = train(targets, ctx.config.train, base, doc_kv, url,
-                       progress=ctx.progress("train"))
+                       progress=ctx.progress("train"), document=ctx.text, spans=spans)
         return list(TRAIN_OUTPUTS), counts
 
     return _run(ctx, "train", _stage_config(ctx, "train"), inputs, body, force)

@@ -210,6 +210,9 @@ class TrainConfig(FrozenConfig):
     # SmolLM2, which makes any λKL negligible). See docs/configuration.md.
     regression_scale: Literal["mean", "sum"] = "mean"
     samples: int = 1_000_000  # total sample budget (query tokens for regression, pairs for KL)
+    # the targets' splits trained on: "train", or "train+recon" with the reconstruction spans
+    # (targets.recon.capture must have captured them)
+    splits: Literal["train", "train+recon", "recon"] = feature("train")
     batch_size: int = 32
     ref_batch_size: int = 4
     peak_lr: float = 1e-4

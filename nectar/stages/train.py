@@ -55,14 +55,17 @@ def train(
     out_url: str,
     progress: Callable[[int, int], None] | None = None,
     stop_after: int | None = None,  # stop (as if killed) after this many steps; for tests
+    document: str | None = None,  # init kvzip: the document text …
+    spans: list[tuple[str, str]] | None = None,  # … and its reconstruction spans (nectar/stages/recon.py)
 ) -> dict:
     """Train, write the module, spec and log into ``out_url``; return the stage counts."""
-    return fit(targets_url, cfg, base, doc_kv, out_url, progress, stop_after)[1]
+    return fit(targets_url, cfg, base, doc_kv, out_url, progress, stop_after, document, spans)[1]
 
 
 def fit(targets_url: str, cfg: TrainConfig, base: BaseLM, doc_kv, out_url: str,
         progress: Callable[[int, int], None] | None = None,
-        stop_after: int | None = None) -> tuple[NectarModule, dict]:
+        stop_after: int | None = None, document: str | None = None,
+        spans: list[tuple[str, str]] | None = None) -> tuple[NectarModule, dict]:
     """``train`` that also hands back the trained in-memory module (this process's replica)."""
     zurl = targets_zarr_url(targets_url)
     data = TargetsData(zurl, window_tokens=cfg.shuffle_window_tokens)
@@ -83,7 +86,22 @@ def fit(targets_url: str, cfg: TrainConfig, base: BaseLM, doc_kv, out_url: str,
     keys = doc_kv.keys if doc_kv is not None and plan.arch == "quadrature" else None
     values = doc_kv.values if keys is not None else None
     module = build_module(plan, keys, values, seed=cfg.seed)
-    if plan.arch == "quadrature" and cfg.module.init != "first":
+    if plan.arch == "quadrature" and cfg.module.init == "kvzip":
+        # KVzip-style selection (+ fit) of the plan's total bytes; the plan becomes the selection's
+        # (heads of different widths), which the spec records so the module loads as trained.
+        from ..baselines import fit_kvzip
+        from ..layout import build_layout
+
+        if not (cfg.module.bias and cfg.module.select.fit):
+            raise TrainInputError("init kvzip trains the fitted log-mass biases: set train.module.bias=true and "
+                                  "train.module.select.fit=true")
+        if document is None or spans is None:
+            raise TrainInputError("init kvzip selects keys by reconstructing the document: pass the document "
+                                  "text and its reconstruction spans")
+        fitted = fit_kvzip(base, build_layout(base.tokenizer, document), document, doc_kv, data, plan,
+                           cfg.module.select, spans, cfg.seed)
+        plan, module = fitted.plan, fitted.module.train()
+    elif plan.arch == "quadrature" and cfg.module.init != "first":
         from ..baselines import init_quadrature, training_queries
 
         init_quadrature(module, plan, cfg.module.init, doc_kv, training_queries(data, cfg.seed))

@@ -11,11 +11,11 @@ def test_registry_holds_the_issue_systems_once_each():
     assert list(SYSTEMS) == ["none", "full", "regression", "mixed", "distill", "cartridges", "matching", "truncate",
                              "evict", "attention_matching", "kvzip_select", "kvzip_select_layer",
                              "kvzip_select_mean", "kvzip_fit", "kvzip_fit_layer", "kvzip_fit_recon",
-                             "kvzip_fit_nosink", "kvzip_fit_template"]
+                             "kvzip_fit_nosink", "kvzip_fit_template", "kvzip_train", "kvzip_distill"]
     assert {s.name for s in SYSTEMS.values() if s.kind == "reference"} == {"none", "full"}
     for s in SYSTEMS.values():
-        if s.kind == "trained":
-            assert s.regime == s.name
+        if s.kind == "trained":  # a regime's own system, or kvzip's state refined under one
+            assert s.regime == s.name or s.overlay["train"]["module"]["init"] == "kvzip"
         if s.kind == "baseline":
             assert s.baseline in (*BASELINES, "kvzip")  # a name fit_baseline (or fit_kvzip) accepts
     # this checkout has the baselines; the ablations run only when asked for
