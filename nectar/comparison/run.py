@@ -306,7 +306,17 @@ def score_and_write(ctx: RunContext, jobs: list[Job], progress: ProgressFactory 
     timings["total_s"] = sum(v for k, v in timings.items() if k != "total_s")
     facts = {"run": ctx.run.root, "document": ctx.info.source_uri, "model": base.name, "n": layout.n,
              "kv_bytes": doc_kv.nbytes(), "created_at": now()}
-    return write_outputs(ctx.run, rows, facts, timings)
+    return write_outputs(ctx.run, rows, facts, timings, allocations(obtained))
+
+
+def allocations(obtained: dict[str, Obtained]) -> dict[str, list[list[int]]]:
+    """Kept pairs per (layer, KV head) of every state whose heads differ in width (the heat map)."""
+    out = {}
+    for key, o in obtained.items():
+        plan = getattr(o.provider, "plan", None)
+        if plan is not None and plan.quad_head_pairs:
+            out[key] = [list(h) for h in plan.quad_head_pairs]
+    return out
 
 
 def comparison_rows(jobs: list[Job], obtained: dict[str, Obtained], quality) -> list[ComparisonRow]:
@@ -323,8 +333,8 @@ def comparison_rows(jobs: list[Job], obtained: dict[str, Obtained], quality) -> 
 
 
 def write_outputs(run: RunDir, rows: list[ComparisonRow], facts: dict[str, Any],
-                  timings: dict[str, float]) -> CompareResult:
-    from ..evaluation.plots import frontier
+                  timings: dict[str, float], allocation: dict[str, list[list[int]]] | None = None) -> CompareResult:
+    from ..evaluation.plots import allocation_heatmap, frontier
     from .table import comparison_markdown
 
     out = run.makedirs("compare")
@@ -336,6 +346,13 @@ def write_outputs(run: RunDir, rows: list[ComparisonRow], facts: dict[str, Any],
         atomic_write(f"{out}/frontier.png", png)
         files.append("frontier.png")
     md = comparison_markdown(data, facts, "frontier.png" if png is not None else None)
+    heat = allocation_heatmap(allocation or {})
+    if heat is not None:  # where one budget across layers and heads put the bytes
+        atomic_write(f"{out}/allocation.png", heat)
+        atomic_write(f"{out}/allocation.json", json.dumps(allocation))
+        files += ["allocation.png", "allocation.json"]
+        md += ("\n\n## Kept pairs per layer × KV head\n\n![allocation](allocation.png)\n\n"
+               "(counts in allocation.json; a per-head budget would put the same number in every cell)\n")
     atomic_write(f"{out}/comparison.md", md)
     info = {**facts, "timings_s": {k: round(v, 2) for k, v in timings.items()},
             "systems": list(dict.fromkeys(r.system for r in rows)),

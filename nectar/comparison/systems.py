@@ -93,6 +93,10 @@ for _s in (
     # frozen model (every stored key, β and value trained), on the train pairs.
     System("kvzip_train", "trained", "kvzip_fit refined by regression on the captured targets (matching's loss)",
            regime="matching", overlay={"train": {"module": {"init": "kvzip"}}}, listed=False),
+    System("kvzip_train_recon", "trained", "kvzip_fit refined by regression on the train pairs and the "
+           "reconstruction spans, 12k query tokens (needs targets.recon.capture=true)", regime="matching",
+           overlay={"train": {"splits": "train+recon", "samples": 12_000, "module": {"init": "kvzip"}}},
+           listed=False),
     System("kvzip_distill", "trained", "kvzip_fit refined end to end by the KL to the full model's top-K",
            regime="matching", overlay={"train": {"lambda_alpha": 0.0, "lambda_A": 0.0, "lambda_kl": 1.0,
                                                  "samples": 240, "batch_size": 4, "peak_lr": 1e-3,

@@ -77,6 +77,9 @@ def fit(targets_url: str, cfg: TrainConfig, base: BaseLM, doc_kv, out_url: str,
         from ..targets.online import OnlineTargets
 
         data.attach_values(OnlineTargets(data, base, doc_kv))
+    if "recon" in cfg.splits and len(data.pairs("recon")) == 0:
+        raise TrainInputError(f"train.splits={cfg.splits!r} but the targets hold no reconstruction spans: "
+                              "set targets.recon.capture=true (and rerun the targets stage)")
     plan = plan_from_config(cfg.module, h.num_layers, h.num_kv_heads, h.head_dim, h.n_context, h.scaling)
     if plan.arch == "quadrature":
         if doc_kv is None:

@@ -11,7 +11,7 @@ def test_registry_holds_the_issue_systems_once_each():
     assert list(SYSTEMS) == ["none", "full", "regression", "mixed", "distill", "cartridges", "matching", "truncate",
                              "evict", "attention_matching", "kvzip_select", "kvzip_select_layer",
                              "kvzip_select_mean", "kvzip_fit", "kvzip_fit_layer", "kvzip_fit_recon",
-                             "kvzip_fit_nosink", "kvzip_fit_template", "kvzip_train", "kvzip_distill"]
+                             "kvzip_fit_nosink", "kvzip_fit_template", "kvzip_train", "kvzip_train_recon", "kvzip_distill"]
     assert {s.name for s in SYSTEMS.values() if s.kind == "reference"} == {"none", "full"}
     for s in SYSTEMS.values():
         if s.kind == "trained":  # a regime's own system, or kvzip's state refined under one
