@@ -160,14 +160,15 @@ class NectarModule(nn.Module):
     def n_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-
-def stored_nbytes(module: NectarModule, plan: ModulePlan) -> int:
-    """Bytes a module stores: every saved tensor, except that with heads of different widths
-    (``plan.quad_head_pairs``) only their real pairs count, not the masked slots that pad a layer."""
-    if not plan.quad_head_pairs:
-        return sum(t.numel() * t.element_size() for t in module.state_dict().values())
-    buffers = sum(b.numel() * b.element_size() for b in module.buffers())
-    return buffers + plan.stored_params() * module.layers[0].W.element_size()
+    def nbytes(self, plan: "ModulePlan | None" = None) -> int:
+        """Bytes of everything the module stores (parameters and normalisation buffers): what its
+        saved file holds, and what a baseline or a benchmark module is sized by. With heads of
+        different widths (``plan.quad_head_pairs``) only their real pairs count, not the masked
+        slots that pad a layer to its widest head."""
+        if plan is None or not plan.quad_head_pairs:
+            return sum(t.numel() * t.element_size() for t in self.state_dict().values())
+        buffers = sum(b.numel() * b.element_size() for b in self.buffers())
+        return buffers + plan.stored_params() * self.layers[0].W.element_size()
 
 
 def build_module(plan: ModulePlan, doc_keys: list[torch.Tensor] | None = None,

@@ -16,7 +16,7 @@ from ..integrity import write_stable_safetensors
 from ..schemas.artifacts import ModuleSpec
 from ..storage import atomic_write
 from ..tables import read_json_artifact, write_json_artifact
-from .builder import ModulePlan, NectarModule, build_module, stored_nbytes
+from .builder import ModulePlan, NectarModule, build_module
 
 WEIGHTS = "module.safetensors"
 SPEC = "module.json"
@@ -34,7 +34,7 @@ def make_spec(module: NectarModule, plan: ModulePlan, base_model: str, base_mode
     (parameters and normalisation buffers) against 2·n·d·L·Hkv cache entries.
     """
     elem = next(module.parameters()).element_size()
-    module_bytes = stored_nbytes(module, plan)  # masked slots of narrower heads hold nothing
+    module_bytes = module.nbytes(plan)  # masked slots of narrower heads hold nothing
     kv_entries = 2 * plan.n_context * plan.head_dim * plan.num_layers * plan.num_kv_heads
     return ModuleSpec(
         base_model=base_model, base_model_hash=base_model_hash, doc_sha256=doc_sha256,

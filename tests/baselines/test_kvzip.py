@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "training"))
 from targets_fixture import DOC, make_targets  # noqa: E402
 
 from nectar.attention.exact import ExactDocState  # noqa: E402
-from nectar.baselines import fit_kvzip, module_nbytes  # noqa: E402
+from nectar.baselines import fit_kvzip  # noqa: E402
 from nectar.baselines.kvzip import allocate, anchor_mask, recon_capture, template_mask  # noqa: E402
 from nectar.modules import plan_module  # noqa: E402
 from nectar.schemas.config import ProbesConfig, ReconConfig, SelectionConfig  # noqa: E402
@@ -93,7 +93,7 @@ def test_fitted_state_counts_only_real_pairs_and_masked_slots_change_nothing(tin
     total = base.num_kv_heads * sum(plan.budgets) // per_pair
     assert sum(map(sum, state.plan.quad_head_pairs)) == total
     buffers = sum(b.numel() * 4 for b in state.module.buffers())
-    assert state.nbytes == buffers + total * per_pair * 4 == module_nbytes(state.module, state.plan)
+    assert state.nbytes == buffers + total * per_pair * 4 == state.module.nbytes(state.plan)
     assert state.nbytes <= buffers + base.num_kv_heads * sum(plan.budgets) * 4  # within the budget
     q = torch.randn(1, base.num_q_heads, 3, base.head_dim) * 3
     for layer in range(base.num_layers):
