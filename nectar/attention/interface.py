@@ -35,7 +35,9 @@ class DocStateProvider(Protocol):
         """q: [b, hq, m, d] rotated queries → the document state per query head, or None."""
 
 
-Recorder = Callable[[int, torch.Tensor, AttnState | None], None]
+# (layer, q [b, hq, m, d], document state, local state): the local state's lse lets a recorder weigh
+# the document against the query's own tokens (KVzip's scores are shares of the whole softmax).
+Recorder = Callable[[int, torch.Tensor, AttnState | None, AttnState | None], None]
 
 
 class _Active:
@@ -78,7 +80,7 @@ def nectar_attention_forward(
         local = _local_state(query, key, value, attention_mask, scaling)
     doc = active.provider(module.layer_idx, query, scaling) if active.provider is not None else None
     if active.recorder is not None:
-        active.recorder(module.layer_idx, query, doc)
+        active.recorder(module.layer_idx, query, doc, local)
     merged = merge_states(doc, local)
     return merged.out.to(query.dtype).transpose(1, 2).contiguous(), None  # [b, m, hq, d]
 

@@ -13,6 +13,9 @@ counted the same way (every saved tensor).
                       most attention mass from the training queries (offline H2O/SnapKV-style eviction)
   attention_matching  those same keys with a fitted log-mass bias β (NNLS) and least-squares values
                       (Zweiger et al. 2026); p_ℓ = P_ℓ / (2d + 1) so the biases fit in the budget
+  kvzip               keys scored by reconstructing the document (max over its spans), one budget
+                      across all layers and KV heads, sinks kept, optionally with the fitted β and
+                      values (``fit_kvzip``, nectar/baselines/kvzip.py; SelectionConfig switches each)
 
 p_ℓ follows the module plan's per-layer budgets P_ℓ (layer multipliers included), so a baseline and
 a module of the same ρ store the same number of parameters (up to one pair of rounding per head);
@@ -24,18 +27,23 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 
 from ..attention.state import AttnState
+from ..base_model import BaseLM
+from ..layout import PromptLayout
 from ..modules.budget import pairs_in_bytes
 from ..modules.builder import ModulePlan, NectarModule, build_module
 from ..modules.provider import ModuleDocState
 from ..modules.stored import quantize_module_, stored_nbytes
+from ..schemas.config import SelectionConfig
 from .init import MAX_FIT_TOKENS, QueryTargets, init_quadrature, training_queries  # noqa: F401
+from .kvzip import allocate, anchor_mask, build_selected, recon_capture, selection_plan, template_mask
 from .selection import KeyScore
 
-BaselineName = Literal["truncate", "evict", "attention_matching"]
-BASELINES: tuple[str, ...] = ("truncate", "evict", "attention_matching")
+BaselineName = Literal["truncate", "evict", "attention_matching", "kvzip"]
+BASELINES: tuple[str, ...] = ("truncate", "evict", "attention_matching")  # fit_baseline's (kvzip: fit_kvzip)
 
 
 @dataclass
@@ -54,8 +62,38 @@ class FittedBaseline:
 
     @property
     def nbytes(self) -> int:
-        """Bytes as stored (codes, fp16 scales and zeros at bits < 32; β and buffers included)."""
-        return stored_nbytes(self.module)
+        """Bytes as stored (codes, fp16 scales and zeros at bits < 32; β and buffers included; with
+        heads of different widths only their real pairs)."""
+        return stored_nbytes(self.module, self.plan)
+
+
+def fit_kvzip(base: BaseLM, layout: PromptLayout, document: str, doc_kv, targets,
+              plan: ModulePlan, select: SelectionConfig, spans: list[tuple[str, str]],
+              seed: int = 0) -> FittedBaseline:
+    """KVzip-style selection (and the closed-form fit) in the budget of ``plan``: reconstruct the
+    document's ``spans`` ((instruction, response), nectar/stages/recon.py) against its exact KV,
+    keep the best keys, fit β and values (nectar/baselines/kvzip.py). ``targets``: the targets (a
+    URL or an open ``TargetsData``) whose train queries join the fit (``fit_queries``), or None."""
+    cap = recon_capture(base, layout, doc_kv, spans, select.aggregate)
+    template = template_mask(layout, document) if select.template_tokens else None
+    per_pair = 2 * plan.head_dim + (1 if select.fit else 0)
+    kept = allocate(cap.scores, plan, per_pair, select.budget, anchor_mask(layout.n, select.sink_tokens, template))
+    qplan = selection_plan(plan, kept, select.fit)
+    queries = None
+    if select.fit:
+        queries = QueryTargets(cap.q, cap.alpha, cap.A)
+        if len(queries.q) > MAX_FIT_TOKENS:
+            keep = torch.from_numpy(np.sort(np.random.default_rng(seed).choice(len(queries.q), MAX_FIT_TOKENS,
+                                                                               replace=False)))
+            queries = QueryTargets(queries.q[keep], queries.alpha[keep], queries.A[keep])
+        if select.fit_queries == "recon+train" and targets is not None:
+            train = training_queries(targets, seed)
+            queries = QueryTargets(torch.cat([queries.q, train.q.float()]), torch.cat([queries.alpha, train.alpha.float()]),
+                                   torch.cat([queries.A, train.A.float()]))
+    module = build_selected(qplan, kept, doc_kv, queries)
+    fitted = FittedBaseline("kvzip", module, qplan)
+    fitted.scores = cap.scores  # [L, Hkv, n]: what the allocation ranked (for the report's heat map)
+    return fitted
 
 
 def baseline_plan(name: str, plan: ModulePlan, bits: int | None = None) -> ModulePlan:

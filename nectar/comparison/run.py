@@ -24,7 +24,7 @@ from typing import Any, Callable
 from ..attention.doc_kv import prefill_document
 from ..attention.exact import ExactDocState
 from ..evaluation.scoring import score_providers
-from ..evaluation.selection import evaluated_splits, select_pairs
+from ..evaluation.selection import evaluated_splits, select_pairs, with_subset
 from ..evaluation.teacher import EvalPair
 from ..kvpress import BridgeResult, KvpressEnvError, KvpressError, PressJob, score_presses
 from ..modules.budget import BudgetError
@@ -240,10 +240,40 @@ def obtain(job: Job, ctx: RunContext, base, doc_kv, dims: dict[str, Any]) -> Obt
     from ..baselines import fit_baseline
 
     t0 = time.perf_counter()
-    provider = fit_baseline(s.baseline, doc_kv, ctx.stage_run("targets").url("targets"),
-                            baseline_plan(ctx, job.rho, dims), seed=ctx.config.train.seed, bits=s.bits)
+    targets_url = ctx.stage_run("targets").url("targets")
+    if s.baseline == "kvzip":
+        provider = _fit_kvzip(s, ctx, base, doc_kv, targets_url, baseline_plan(ctx, job.rho, dims))
+    else:
+        provider = fit_baseline(s.baseline, doc_kv, targets_url, baseline_plan(ctx, job.rho, dims),
+                                seed=ctx.config.train.seed, bits=s.bits)
     seconds = time.perf_counter() - t0
     return Obtained(provider, int(provider.nbytes), seconds, s.baseline, f"fit_baseline({s.baseline!r})")
+
+
+def _fit_kvzip(s: System, ctx: RunContext, base, doc_kv, targets_url: str, plan: ModulePlan):
+    """A kvzip system: the run's selection settings with the system's switches (SelectionConfig)."""
+    from ..baselines import fit_kvzip
+    from ..layout import build_layout
+    from ..stages.recon import make_recon
+
+    select = ctx.config.train.module.select.model_copy(update=s.options)
+    tcfg = ctx.config.targets
+    spans = [(r.instruction, r.response) for r in make_recon(ctx.text, tcfg.recon, tcfg.probes)]
+    return fit_kvzip(base, build_layout(base.tokenizer, ctx.text), ctx.text, doc_kv, targets_url, plan, select,
+                     spans, seed=ctx.config.train.seed)
+
+
+def withheld_probe_ids(ctx: RunContext, targets_url: str) -> set[str]:
+    """Held-out probes lying wholly in the units reconstruction leaves out (nectar/stages/recon.py)."""
+    from ..schemas.artifacts import ProbeRow
+    from ..stages.probes import split_units
+    from ..stages.recon import withheld_units
+
+    tcfg = ctx.config.targets
+    withheld = withheld_units(len(split_units(ctx.text)), tcfg.recon, tcfg.probes)
+    probes = read_table(f"{targets_url}/probes.parquet", ProbeRow)
+    return {p.probe_id for p in probes if p.split == "probes"
+            and all(u in withheld for u in range(p.first_unit, p.last_unit + 1))}
 
 
 @dataclass
@@ -341,6 +371,8 @@ def score_and_write(ctx: RunContext, jobs: list[Job], progress: ProgressFactory 
     g, _ = open_targets(targets_zarr_url(targets))
     target_rows = read_table(f"{targets}/pairs.parquet", TargetsPairRow)
     sel = select_pairs(target_rows, g["token_ids"][:], cfg, evaluated_splits(target_rows, cfg))
+    if any(j.system.baseline == "kvzip" for j in jobs):  # what reconstruction saw vs what it did not
+        sel = with_subset(sel, "probes", "probes_withheld", withheld_probe_ids(ctx, targets), cfg)
     kv_jobs = [j for j in jobs if j.system.kind == "kvpress"]
     extra_sums: dict = {}
     notes: dict[str, Any] = {}
@@ -369,7 +401,17 @@ def score_and_write(ctx: RunContext, jobs: list[Job], progress: ProgressFactory 
     facts = {"run": ctx.run.root, "document": ctx.info.source_uri, "model": base.name, "n": layout.n,
              "kv_bytes": doc_kv.nbytes(), "kv_dtype": str(doc_kv.keys[0].dtype).removeprefix("torch."),
              "created_at": now()}
-    return write_outputs(ctx.run, rows, facts, timings, notes)
+    return write_outputs(ctx.run, rows, facts, timings, notes, allocations(obtained))
+
+
+def allocations(obtained: dict[str, Obtained]) -> dict[str, list[list[int]]]:
+    """Kept pairs per (layer, KV head) of every state whose heads differ in width (the heat map)."""
+    out = {}
+    for key, o in obtained.items():
+        plan = getattr(o.provider, "plan", None)
+        if plan is not None and plan.quad_head_pairs:
+            out[key] = [list(h) for h in plan.quad_head_pairs]
+    return out
 
 
 def comparison_rows(jobs: list[Job], obtained: dict[str, Obtained], quality) -> list[ComparisonRow]:
@@ -386,8 +428,9 @@ def comparison_rows(jobs: list[Job], obtained: dict[str, Obtained], quality) -> 
 
 
 def write_outputs(run: RunDir, rows: list[ComparisonRow], facts: dict[str, Any],
-                  timings: dict[str, float], notes: dict[str, Any] | None = None) -> CompareResult:
-    from ..evaluation.plots import frontier
+                  timings: dict[str, float], notes: dict[str, Any] | None = None,
+                  allocation: dict[str, list[list[int]]] | None = None) -> CompareResult:
+    from ..evaluation.plots import allocation_heatmap, frontier
     from .table import comparison_markdown
 
     out = run.makedirs("compare")
@@ -399,6 +442,13 @@ def write_outputs(run: RunDir, rows: list[ComparisonRow], facts: dict[str, Any],
         atomic_write(f"{out}/frontier.png", png)
         files.append("frontier.png")
     md = comparison_markdown(data, facts, "frontier.png" if png is not None else None)
+    heat = allocation_heatmap(allocation or {})
+    if heat is not None:  # where one budget across layers and heads put the bytes
+        atomic_write(f"{out}/allocation.png", heat)
+        atomic_write(f"{out}/allocation.json", json.dumps(allocation))
+        files += ["allocation.png", "allocation.json"]
+        md += ("\n\n## Kept pairs per layer × KV head\n\n![allocation](allocation.png)\n\n"
+               "(counts in allocation.json; a per-head budget would put the same number in every cell)\n")
     atomic_write(f"{out}/comparison.md", md)
     info = {**facts, "timings_s": {k: round(v, 2) for k, v in timings.items()},
             "systems": list(dict.fromkeys(r.system for r in rows)),

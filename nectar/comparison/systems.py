@@ -43,7 +43,8 @@ class System:
     baseline: str | None = None  # baseline: the name fit_baseline takes
     press: str | None = None  # kvpress: the press (nectar/kvpress/worker.py PRESSES)
     bits: int = 32  # baseline / kvpress: storage precision of its kept entries (trained: train.module.bits in overlay)
-    default: bool = True  # in the default set (``--systems`` unset); opt-in systems train extra variants
+    options: dict[str, Any] = field(default_factory=dict)  # baseline kvzip: SelectionConfig settings
+    default: bool = True  # in a compare without --systems (opt-in: ablations, systems that train extra variants)
 
     def __post_init__(self) -> None:
         if self.kind == "trained" and self.regime is None and not self.overlay:
@@ -80,6 +81,37 @@ for _s in (
     System("evict", "baseline", "exact KV of the ρ·n most-attended tokens per KV head", baseline="evict"),
     System("attention_matching", "baseline", "the evicted keys with fitted log-mass biases and "
            "least-squares values (Zweiger et al., 2026)", baseline="attention_matching"),
+    # KVzip-style selection (nectar/baselines/kvzip.py) and its ablations: each differs from
+    # kvzip_select / kvzip_fit in one SelectionConfig switch.
+    System("kvzip_select", "baseline", "exact KV of the keys reconstruction attends to most (max over spans), "
+           "one budget across layers and KV heads, 4 sink tokens (KVzip)", baseline="kvzip", options={"fit": False}),
+    System("kvzip_select_layer", "baseline", "kvzip_select with the plan's budget per layer",
+           baseline="kvzip", options={"fit": False, "budget": "layer"}, default=False),
+    System("kvzip_select_mean", "baseline", "kvzip_select scoring keys by mean instead of max",
+           baseline="kvzip", options={"fit": False, "aggregate": "mean"}, default=False),
+    System("kvzip_fit", "baseline", "kvzip_select's keys with fitted log-mass biases and least-squares values "
+           "on reconstruction + train queries", baseline="kvzip", options={"fit": True}),
+    System("kvzip_fit_layer", "baseline", "kvzip_fit with the plan's budget per layer",
+           baseline="kvzip", options={"fit": True, "budget": "layer"}, default=False),
+    System("kvzip_fit_recon", "baseline", "kvzip_fit on reconstruction queries only",
+           baseline="kvzip", options={"fit": True, "fit_queries": "recon"}, default=False),
+    System("kvzip_fit_nosink", "baseline", "kvzip_fit without sink tokens",
+           baseline="kvzip", options={"fit": True, "sink_tokens": 0}, default=False),
+    System("kvzip_fit_template", "baseline", "kvzip_fit keeping every chat-template token exact",
+           baseline="kvzip", options={"fit": True, "template_tokens": True}, default=False),
+    # kvzip_fit's state refined through the train stage (init "kvzip"): by the regression loss on the
+    # captured targets (matching's refinement), or end to end by the KL to the teacher through the
+    # frozen model (every stored key, β and value trained), on the train pairs.
+    System("kvzip_train", "trained", "kvzip_fit refined by regression on the captured targets (matching's loss)",
+           regime="matching", overlay={"train": {"module": {"init": "kvzip"}}}, default=False),
+    System("kvzip_train_recon", "trained", "kvzip_fit refined by regression on the train pairs and the "
+           "reconstruction spans, 12k query tokens (needs targets.recon.capture=true)", regime="matching",
+           overlay={"train": {"splits": "train+recon", "samples": 12_000, "module": {"init": "kvzip"}}},
+           default=False),
+    System("kvzip_distill", "trained", "kvzip_fit refined end to end by the KL to the full model's top-K",
+           regime="matching", overlay={"train": {"lambda_alpha": 0.0, "lambda_A": 0.0, "lambda_kl": 1.0,
+                                                 "samples": 240, "batch_size": 4, "peak_lr": 1e-3,
+                                                 "module": {"init": "kvzip"}}}, default=False),
 ):
     register(_s)
 

@@ -166,3 +166,24 @@ def frontier(rows: Sequence[dict]) -> bytes | None:
         ax.set_title(f"{split} ({n} pairs)" if n else split)
         ax.legend(fontsize=7, loc="lower right")
     return _png(fig)
+
+
+def allocation_heatmap(states: dict[str, Sequence[Sequence[int]]]) -> bytes | None:
+    """Kept (key, value) pairs per layer × KV head of each state whose heads differ in width
+    (``ModulePlan.quad_head_pairs``): where a global budget puts the bytes."""
+    if not states:
+        return None
+    fig, axes = plt.subplots(1, len(states), figsize=(2.2 + 1.6 * len(states), 5.5), squeeze=False)
+    top = max(max(max(h) for h in c) for c in states.values())
+    for ax, (name, counts) in zip(axes[0], states.items()):
+        grid = np.asarray(counts, dtype=float)  # [L, H]
+        im = ax.imshow(grid, aspect="auto", cmap="viridis", vmin=0, vmax=top)
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel("KV head")
+        ax.set_xticks(range(grid.shape[1]))
+    axes[0][0].set_ylabel("layer")
+    fig.colorbar(im, ax=axes[0].tolist(), label="kept pairs")
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    return buf.getvalue()

@@ -6,6 +6,7 @@ targets.zarr), so every stage and ``nectar compare`` score exactly the same toke
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -50,7 +51,7 @@ def split_pools(target_rows: Sequence[TargetsPairRow]) -> dict[str, list[Targets
         "test": [r for r in target_rows if r.split == "test"],
         "challenge": [r for r in target_rows if r.split == "test" and r.challenge],
     }
-    for split in sorted({r.split for r in target_rows} - {"train", "test"}):
+    for split in sorted({r.split for r in target_rows} - {"train", "test", "recon"}):  # recon: training queries
         pools[split] = [r for r in target_rows if r.split == split]
     return pools
 
@@ -95,3 +96,16 @@ def select_pairs(target_rows: Sequence[TargetsPairRow], token_ids: np.ndarray, c
         pairs.append(EvalPair(pid, r.task, tuple(members[pid]), tuple(int(t) for t in ids),
                               r.response_start, r.start))
     return Selection(pairs, rows, per_split, judged, agreement)
+
+
+def with_subset(sel: Selection, split: str, name: str, pair_ids: set[str], cfg: EvaluateConfig) -> Selection:
+    """``sel`` plus a split ``name``: the pairs of ``split`` in ``pair_ids`` (e.g. probes on text that
+    reconstruction left out), scored and bootstrapped like any split."""
+    ids = [pid for pid in sel.per_split.get(split, []) if pid in pair_ids]
+    if not ids:
+        return sel
+    pairs = [dataclasses.replace(p, splits=(*p.splits, name)) if p.pair_id in pair_ids and split in p.splits else p
+             for p in sel.pairs]
+    pool = [sel.rows[pid] for pid in ids]
+    return Selection(pairs, sel.rows, {**sel.per_split, name: ids}, {**sel.judged, name: []},
+                     {**sel.agreement, name: _sample(pool, cfg.agreement_max_samples, cfg.seed)})

@@ -42,6 +42,10 @@ class ModulePlan:
     quad_bias: bool = False  # quadrature: a log-mass bias β per pair (p = P / (2d + 1))
     bits: int = 32  # parameters stored at 32 (float32) or 8/4/2 bits per value (nectar/quantization.py)
     quant_group: int = 64  # values per fp16 (scale, zero) along each parameter's last dim
+    # quadrature with heads of different widths (nectar/baselines/kvzip.py): the real pairs of every
+    # (layer, KV head); quad_pairs[ℓ] is then the widest head and the others' slots are masked (β = −inf)
+    quad_head_pairs: tuple[tuple[int, ...], ...] = ()
+    quad_bias_stored: bool = True  # False: β only masks those slots (exact KV kept), it stores nothing
 
     def mlp_shapes(self, layer: int) -> MLPLayerShapes:
         d, (d_b, d_s, d_t) = self.head_dim, self.depths
@@ -58,12 +62,21 @@ class ModulePlan:
             return self.quad_pairs[layer] * (2 * self.head_dim + (1 if self.quad_bias else 0))
         return self.mlp_shapes(layer).n_params()
 
+    def stored_params(self) -> int:
+        """Parameters the state really holds: every head's own pairs (masked slots hold nothing)."""
+        if self.arch == "quadrature" and self.quad_head_pairs:
+            per_pair = 2 * self.head_dim + (1 if self.quad_bias and self.quad_bias_stored else 0)
+            return per_pair * sum(sum(heads) for heads in self.quad_head_pairs)
+        return self.num_kv_heads * sum(self.head_params(layer) for layer in range(self.num_layers))
+
     def to_dict(self) -> dict[str, Any]:
         """As plain data; the storage precision only when not float32 (plans saved before it existed
         read back the same, and their train-stage fingerprints stay valid)."""
         out = asdict(self)
         if self.bits == 32 and self.quant_group == 64:
             del out["bits"], out["quant_group"]
+        if not self.quad_head_pairs and self.quad_bias_stored:  # likewise the per-head widths
+            del out["quad_head_pairs"], out["quad_bias_stored"]
         return out
 
     @classmethod

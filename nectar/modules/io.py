@@ -35,7 +35,7 @@ def make_spec(module: NectarModule, plan: ModulePlan, base_model: str, base_mode
     ``module.bits`` < 32 — and normalisation buffers) against 2·n·d·L·Hkv float32 cache entries.
     """
     elem = next(module.parameters()).element_size()
-    module_bytes = stored_nbytes(module)
+    module_bytes = stored_nbytes(module, plan)  # masked slots of narrower heads hold nothing
     kv_entries = 2 * plan.n_context * plan.head_dim * plan.num_layers * plan.num_kv_heads
     return ModuleSpec(
         base_model=base_model, base_model_hash=base_model_hash, doc_sha256=doc_sha256,
@@ -43,7 +43,7 @@ def make_spec(module: NectarModule, plan: ModulePlan, base_model: str, base_mode
         num_q_heads=num_q_heads, head_dim=plan.head_dim, scaling=plan.scaling, arch=plan.arch,
         module_config=json.loads(json.dumps(plan.to_dict())), rho=plan.rho,  # lists, as JSON reads back
         per_layer_params=[plan.head_params(i) for i in range(plan.num_layers)],
-        n_params=module.n_params(), module_bytes=module_bytes, kv_cache_bytes=kv_entries * elem,
+        n_params=plan.stored_params() if plan.quad_head_pairs else module.n_params(), module_bytes=module_bytes, kv_cache_bytes=kv_entries * elem,
         normalization=normalization or {},
     )
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..quantization import QuantizedTensor, dequantize, fake_quantize, quantize, quantized_nbytes, storage_bits
-from .builder import NectarModule
+from .builder import ModulePlan, NectarModule
 
 SUFFIXES = (".codes", ".scales", ".zeros")
 
@@ -65,8 +65,16 @@ def stored_tensors(module: NectarModule) -> dict[str, torch.Tensor]:
     return out
 
 
-def stored_nbytes(module: NectarModule) -> int:
-    """Bytes of ``stored_tensors(module)``, counted from shapes (no quantization pass)."""
+def stored_nbytes(module: NectarModule, plan: ModulePlan | None = None) -> int:
+    """Bytes of ``stored_tensors(module)``, counted from shapes (no quantization pass). With heads of
+    different widths (``plan.quad_head_pairs``, KVzip-style selection) only each head's real pairs
+    count, not the masked slots that pad a layer to its widest head."""
+    if plan is not None and plan.quad_head_pairs:
+        if is_quantized(module):
+            raise ValueError("heads of different widths (kvzip selection) are stored in float32 only; "
+                             "set train.module.bits=32 with init kvzip")
+        buffers = 0 if module.closed_form else sum(b.numel() * b.element_size() for b in module.buffers())
+        return buffers + plan.stored_params() * module.layers[0].W.element_size()
     names = _param_names(module)
     total = 0
     for name, t in _state(module).items():

@@ -112,7 +112,10 @@ def _stage_config(ctx: RunContext, stage: str) -> dict[str, Any]:
     own = getattr(cfg, stage).cache_dict() if stage in ("chunk", "synthesize", "verify", "targets",
                                                         "train", "evaluate") else {}
     # Stages that run the base model depend on it too.
-    return {stage: own, "model": cfg.model.cache_dict()}
+    out = {stage: own, "model": cfg.model.cache_dict()}
+    if stage == "train" and cfg.train.module.init == "kvzip":  # it selects keys on the reconstruction spans
+        out["recon"] = {"recon": cfg.targets.recon.cache_dict(), "probes": cfg.targets.probes.cache_dict()}
+    return out
 
 
 def run_chunk(ctx: RunContext, force: bool = False) -> StageOutcome:
@@ -175,6 +178,7 @@ def run_targets(ctx: RunContext, force: bool = False) -> StageOutcome:
     from ..layout import build_layout, check_fits
     from ..schemas.artifacts import ProbeRow
     from ..stages.probes import make_probes, probe_dataset_rows
+    from ..stages.recon import make_recon, recon_dataset_rows
     from ..stages.targets import build_targets, plan_pairs, targets_size
     from ..tables import write_table
     from ..targets.size import check_budget
@@ -194,6 +198,9 @@ def run_targets(ctx: RunContext, force: bool = False) -> StageOutcome:
         write_table(f"{url}/probes.parquet", probes, ProbeRow)
         rows = rows + [r for r in probe_dataset_rows(probes, cfg.probes.train)
                        if cfg.probes.held_out or r.split == "train"]
+        # Reconstruction spans (targets.recon.capture): training queries of their own split "recon".
+        recon = make_recon(ctx.text, cfg.recon, cfg.probes) if cfg.recon.capture else []
+        rows = rows + recon_dataset_rows(recon)
         # The size of the outputs, before the document prefill or any capture: refused over max_bytes.
         planned = plan_pairs(rows, layout, cfg)
         size = targets_size(planned, base, cfg)
@@ -207,12 +214,14 @@ def run_targets(ctx: RunContext, force: bool = False) -> StageOutcome:
                       bytes_written=_bytes_under(targets_zarr_url(url)))
         counts["probes_held_out"] = sum(p.split == "probes" for p in probes)
         counts["probes_train"] = sum(p.split == "train" for p in probes) if cfg.probes.train else 0
+        counts["recon_spans"] = len(recon)
         return [STORE_NAME, "pairs.parquet", "probes.parquet", "doc_kv.safetensors"], counts
 
     return _run(ctx, "targets", _stage_config(ctx, "targets"), inputs, body, force, repair=repair_shards)
 
 
 def run_train(ctx: RunContext, force: bool = False) -> StageOutcome:
+    from ..stages.recon import make_recon
     from ..stages.train import TRAIN_OUTPUTS, train
 
     inputs = _upstream_outputs(ctx, "train")
@@ -224,8 +233,12 @@ def run_train(ctx: RunContext, force: bool = False) -> StageOutcome:
         targets = ctx.stage_run("targets").url("targets")
         online = open_targets(targets_zarr_url(targets))[1].mode == "online"
         doc_kv = load_run_doc_kv(ctx) if ctx.config.train.module.arch == "quadrature" or online else None
+        spans = None
+        if ctx.config.train.module.init == "kvzip":
+            spans = [(r.instruction, r.response) for r in make_recon(ctx.text, ctx.config.targets.recon,
+                                                                     ctx.config.targets.probes)]
         counts = train(targets, ctx.config.train, base, doc_kv, url,
-                       progress=ctx.progress("train"))
+                       progress=ctx.progress("train"), document=ctx.text, spans=spans)
         return list(TRAIN_OUTPUTS), counts
 
     return _run(ctx, "train", _stage_config(ctx, "train"), inputs, body, force)

@@ -57,10 +57,11 @@ class PairRow(Artifact):
 
 Verdict = Literal[
     "consistent", "inconsistent", "insufficient_context", "low_confidence",
-    "judge_parse_error", "duplicate", "synthesis_parse_error", "probe",
+    "judge_parse_error", "duplicate", "synthesis_parse_error", "probe", "recon",
 ]
 # "probes": held-out document probes (never trained on); train probes are split "train".
-Split = Literal["train", "test", "probes", "dropped"]
+# "recon": reconstruction spans (nectar/stages/recon.py), training queries of their own.
+Split = Literal["train", "test", "probes", "dropped", "recon"]
 
 
 class DatasetRow(Artifact):
@@ -94,7 +95,7 @@ class FileDigest(Artifact):
 
 
 # pair_split codes in the targets group (one int8 per pair).
-SPLIT_CODES: dict[str, int] = {"train": 0, "test": 1, "probes": 2}
+SPLIT_CODES: dict[str, int] = {"train": 0, "test": 1, "probes": 2, "recon": 3}
 
 
 class ProbeRow(Artifact):
@@ -151,7 +152,7 @@ class TargetsHeader(Artifact):
         topk_scope "kl_positions" only where token t+1 is a response token — the positions the
         KL loss reads — and zeros elsewhere)
       token_ids [T] int32, positions [T] int32 (n … n+m-1), response_mask [T] bool
-      pair_offsets [P+1] int64, pair_split [P] int8 (SPLIT_CODES: 0 = train, 1 = test, 2 = probes)
+      pair_offsets [P+1] int64, pair_split [P] int8 (SPLIT_CODES: 0 = train, 1 = test, 2 = probes, 3 = recon)
     Pair p's tokens are rows pair_offsets[p]:pair_offsets[p+1]; targets/pairs.parquet lists them.
     """
 
@@ -180,7 +181,7 @@ class TargetsPairRow(Artifact):
     index: int
     pair_id: str
     task: TaskType
-    split: Literal["train", "test", "probes"]
+    split: Literal["train", "test", "probes", "recon"]
     challenge: bool
     start: int
     length: int

@@ -14,7 +14,7 @@ from .base import FrozenConfig, added_setting, resource
 SynthesisTask = Literal["qa", "summarization", "quoting", "paraphrasing"]
 TASK_TYPES: tuple[SynthesisTask, ...] = ("qa", "summarization", "quoting", "paraphrasing")
 ProbeKind = Literal["continue", "locate"]
-TaskType = Literal["qa", "summarization", "quoting", "paraphrasing", "continue", "locate"]
+TaskType = Literal["qa", "summarization", "quoting", "paraphrasing", "continue", "locate", "recon"]
 STAGES: tuple[str, ...] = ("chunk", "synthesize", "verify", "targets", "train", "evaluate")
 
 
@@ -134,8 +134,22 @@ class ProbesConfig(FrozenConfig):
     seed: int = 0
 
 
+class ReconConfig(FrozenConfig):
+    """Reconstruction queries (nectar/stages/recon.py): spans tiling the document, each prompted with
+    the words before it and answered with the span verbatim (KVzip's context reconstruction)."""
+
+    capture: bool = False  # the targets stage also captures them as split "recon" (training data)
+    span_words: int = Field(48, ge=4)  # a span is whole units (probes.py) of at least this many words
+    cue_words: int = Field(8, ge=1)  # the prompt quotes this many words preceding the span
+    # Blocks of units (probes.block_units) left out of reconstruction, drawn from the held-out probe
+    # blocks: probes there measure what generalises rather than what was reconstructed.
+    withheld_fraction: float = Field(0.1, ge=0, lt=1)
+    seed: int = 0
+
+
 class TargetsConfig(FrozenConfig):
     probes: ProbesConfig = ProbesConfig()
+    recon: ReconConfig = added_setting(ReconConfig())
     top_k: int = 32
     # Storage of q and A (α stays float32): bfloat16 is kept as a uint16 view (zarr has no bf16).
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
@@ -154,6 +168,20 @@ class TargetsConfig(FrozenConfig):
     batch_tokens: int = resource(2048, ge=1)  # query tokens per forward at most (a longer pair runs alone)
 
 
+class SelectionConfig(FrozenConfig):
+    """Which document keys a quadrature state keeps (nectar/baselines/kvzip.py, ``init: kvzip``)."""
+
+    # "global": one ranking across all layers and KV heads (KVzip); "layer": the plan's per-layer
+    # budget shared by that layer's heads; "head": the plan's budget in every (layer, KV head).
+    budget: Literal["global", "layer", "head"] = "global"
+    aggregate: Literal["max", "mean"] = "max"  # a key's score over the reconstruction queries
+    sink_tokens: int = Field(4, ge=0)  # the first tokens, always kept as exact KV (attention sinks)
+    template_tokens: bool = False  # also keep every chat-template token of the context exact
+    fit: bool = True  # closed-form β (NNLS) and values (least squares) on the kept keys
+    # queries of the closed-form fit: the reconstruction spans, or those plus the targets' train split
+    fit_queries: Literal["recon", "recon+train"] = "recon+train"
+
+
 class ModuleConfig(FrozenConfig):
     arch: Literal["mlp", "quadrature"] = "mlp"
     rho: float = Field(0.02, gt=0)  # fraction of each head's KV cache (2·n·d)
@@ -167,7 +195,8 @@ class ModuleConfig(FrozenConfig):
     bias: bool = False
     # quadrature only: how (W, Z, β) start — the first p document rows, the p most-attended rows per
     # head (evict), or those rows with fitted β and values (attention_matching); see nectar.baselines
-    init: Literal["first", "evict", "attention_matching"] = "first"
+    init: Literal["first", "evict", "attention_matching", "kvzip"] = "first"
+    select: SelectionConfig = added_setting(SelectionConfig())  # init "kvzip": selection and fit
     # storage precision of the module's parameters: 32 = float32; 8/4/2 = asymmetric integer codes with
     # an fp16 scale and zero per group of ``quant_group`` values (nectar/quantization.py). ρ stays a share
     # of the float32 document KV's BYTES, so a lower precision buys more pairs / a wider network.
@@ -193,6 +222,9 @@ class TrainConfig(FrozenConfig):
     # SmolLM2, which makes any λKL negligible). See docs/configuration.md.
     regression_scale: Literal["mean", "sum"] = "mean"
     samples: int = 1_000_000  # total sample budget (query tokens for regression, pairs for KL)
+    # the targets' splits trained on: "train", or "train+recon" with the reconstruction spans
+    # (targets.recon.capture must have captured them)
+    splits: Literal["train", "train+recon", "recon"] = added_setting("train")
     batch_size: int = 32
     ref_batch_size: int = 4
     peak_lr: float = 1e-4

@@ -46,7 +46,7 @@ def plan_pairs(rows: list[DatasetRow], layout: PromptLayout, cfg: TargetsConfig)
     """Tokenize kept pairs of the configured splits, train first; truncate to max_query_tokens.
     With ``max_pairs``, a fixed pseudo-random subset (by the hash of the pair id: every split keeps
     about its share, and raising the cap only adds pairs)."""
-    kept = [r for r in rows if r.kept and r.split in cfg.splits]
+    kept = [r for r in rows if r.kept and (r.split in cfg.splits or r.split == "recon")]  # recon: when asked for
     if cfg.max_pairs is not None and len(kept) > cfg.max_pairs:
         kept = sorted(kept, key=lambda r: hashlib.sha256(r.pair_id.encode()).hexdigest())[: cfg.max_pairs]
     tokens = {r.pair_id: layout.pair(r.instruction, r.response) for r in kept}

@@ -42,7 +42,7 @@ class _Recorder:
         self.num_layers = num_layers
         self.q = self.alpha = self.A = None
 
-    def __call__(self, layer: int, q: torch.Tensor, doc: AttnState | None) -> None:
+    def __call__(self, layer: int, q: torch.Tensor, doc: AttnState | None, local: AttnState | None = None) -> None:
         # q, doc.out: [1, hq, T, d]; doc.lse: [1, hq, T] → rows [T, hq, (d)] of layer `layer`
         if self.q is None:
             _, hq, t, d = q.shape

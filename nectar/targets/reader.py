@@ -178,13 +178,19 @@ class TargetsData:
         return sum(self.group[n].nbytes for n in VALUE_ARRAYS)
 
     # ---- splits -------------------------------------------------------------------------------
-    def split_code(self, split: str) -> int:
-        if split not in SPLIT_CODES:
-            raise ValueError(f"unknown split {split!r}; the targets' splits are {sorted(SPLIT_CODES)}")
-        return SPLIT_CODES[split]
+    def split_codes(self, split: str) -> list[int]:
+        """Codes of ``split``; "train+recon" names the union of two splits (training on both)."""
+        unknown = [s for s in split.split("+") if s not in SPLIT_CODES]
+        if unknown:
+            raise ValueError(f"unknown split {unknown[0]!r}; the targets' splits are {sorted(SPLIT_CODES)}")
+        return [SPLIT_CODES[s] for s in split.split("+")]
+
+    def in_split(self, codes: np.ndarray, split: str) -> np.ndarray:
+        """[P] bool: which of these pair split codes belong to ``split``."""
+        return np.isin(codes, self.split_codes(split))
 
     def pairs(self, split: str) -> np.ndarray:
-        return np.flatnonzero(self.pair_split == self.split_code(split))
+        return np.flatnonzero(self.in_split(self.pair_split, split))
 
     def tokens(self, split: str) -> np.ndarray:
         """Global token indices of the split's pairs (O(tokens) memory: for tests and small stores)."""
@@ -196,7 +202,7 @@ class TargetsData:
     def split_tokens_below(self, split: str, x: np.ndarray) -> np.ndarray:
         """How many tokens of ``split`` have a global index < x (vectorised; O(pairs) memory)."""
         x = np.asarray(x, dtype=np.int64)
-        in_split = (self.pair_split == self.split_code(split)).astype(np.int64)  # [P]
+        in_split = self.in_split(self.pair_split, split).astype(np.int64)  # [P]
         lengths = np.diff(self.offsets) * in_split
         before = np.concatenate([[0], np.cumsum(lengths)])  # [P+1] split tokens in pairs < k
         k = np.clip(np.searchsorted(self.offsets, x, side="right") - 1, 0, len(in_split) - 1)

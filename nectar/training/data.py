@@ -110,7 +110,7 @@ class TokenStream:
         idx = np.concatenate([np.arange(c * C, min((c + 1) * C, T)) for c in chunks])
         d = self.data
         pair = np.searchsorted(d.offsets, idx, side="right") - 1
-        idx = idx[d.pair_split[pair] == d.split_code(self.split)]
+        idx = idx[d.in_split(d.pair_split[pair], self.split)]
         return idx[np.random.default_rng([self.seed, epoch, w]).permutation(len(idx))]
 
     def _locate(self, i: int) -> tuple[int, int, int]:

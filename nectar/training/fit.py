@@ -6,7 +6,9 @@ from __future__ import annotations
 from typing import Callable
 
 from ..base_model import BaseLM
+from ..baselines import fit_kvzip
 from ..baselines.init import init_quadrature, training_queries
+from ..layout import build_layout
 from ..modules.builder import NectarModule, build_module, plan_from_config
 from ..modules.io import make_spec, save_module
 from ..modules.stored import quantize_module_
@@ -39,7 +41,8 @@ def check_targets_fit(header: TargetsHeader, base: BaseLM, where: str) -> None:
 
 def fit(targets_url: str, cfg: TrainConfig, base: BaseLM, doc_kv, out_url: str,
         progress: Callable[[int, int], None] | None = None,
-        stop_after: int | None = None) -> tuple[NectarModule, dict]:
+        stop_after: int | None = None, document: str | None = None,
+        spans: list[tuple[str, str]] | None = None) -> tuple[NectarModule, dict]:
     """``train`` that also hands back the trained in-memory module (this process's replica)."""
     zurl = targets_zarr_url(targets_url)
     data = TargetsData(zurl, window_tokens=cfg.shuffle_window_tokens)
@@ -49,6 +52,9 @@ def fit(targets_url: str, cfg: TrainConfig, base: BaseLM, doc_kv, out_url: str,
         if doc_kv is None:
             raise TrainInputError("online targets are computed from the document KV during training; pass doc_kv")
         data.attach_values(OnlineTargets(data, base, doc_kv))
+    if "recon" in cfg.splits and len(data.pairs("recon")) == 0:
+        raise TrainInputError(f"train.splits={cfg.splits!r} but the targets hold no reconstruction spans: "
+                              "set targets.recon.capture=true (and rerun the targets stage)")
     plan = plan_from_config(cfg.module, h.num_layers, h.num_kv_heads, h.head_dim, h.n_context, h.scaling)
     if plan.arch == "quadrature":
         if doc_kv is None:
@@ -58,7 +64,19 @@ def fit(targets_url: str, cfg: TrainConfig, base: BaseLM, doc_kv, out_url: str,
     keys = doc_kv.keys if doc_kv is not None and plan.arch == "quadrature" else None
     values = doc_kv.values if keys is not None else None
     module = build_module(plan, keys, values, seed=cfg.seed)
-    if plan.arch == "quadrature" and cfg.module.init != "first":
+    if plan.arch == "quadrature" and cfg.module.init == "kvzip":
+        # KVzip-style selection (+ fit) of the plan's total bytes; the plan becomes the selection's
+        # (heads of different widths), which the spec records so the module loads as trained.
+        if not (cfg.module.bias and cfg.module.select.fit):
+            raise TrainInputError("init kvzip trains the fitted log-mass biases: set train.module.bias=true and "
+                                  "train.module.select.fit=true")
+        if document is None or spans is None:
+            raise TrainInputError("init kvzip selects keys by reconstructing the document: pass the document "
+                                  "text and its reconstruction spans")
+        fitted = fit_kvzip(base, build_layout(base.tokenizer, document), document, doc_kv, data, plan,
+                           cfg.module.select, spans, cfg.seed)
+        plan, module = fitted.plan, fitted.module.train()
+    elif plan.arch == "quadrature" and cfg.module.init != "first":
         init_quadrature(module, plan, cfg.module.init, doc_kv, training_queries(data, cfg.seed))
     if plan.normalize_targets:
         module.set_normalization(target_statistics(data, h.num_kv_heads, seed=cfg.seed))

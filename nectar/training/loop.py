@@ -142,7 +142,7 @@ class Trainer:
             raise ValueError("all loss weights are zero (lambda_alpha, lambda_A, lambda_kl): nothing to train")
         self.pair_mode = self.w.kl > 0
         # Train items (pairs or tokens) in a (seed, step)-pure order, streamed from the store.
-        self.stream = stream(data, "train", by_pairs=self.pair_mode, seed=cfg.seed)
+        self.stream = stream(data, cfg.splits, by_pairs=self.pair_mode, seed=cfg.seed)
         if cfg.batch_size < self.info.world_size:
             raise ValueError(f"train.batch_size ({cfg.batch_size}) must be at least the number of "
                              f"data-parallel processes ({self.info.world_size})")

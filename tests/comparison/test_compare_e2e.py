@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from nectar import comparison, orchestration
+from nectar.comparison.run import baseline_plan
 from nectar.comparison.systems import SYSTEMS, System, baselines_available
 from nectar.orchestration.executor import run_stage
 from nectar.schemas import ComparisonRow, DatasetRow, load_config
@@ -233,3 +234,22 @@ def test_bytes_budgets_are_fractions_of_the_kv_at_its_dtype():
     assert comparison.parse_bytes("0.05", "bfloat16") == [0.025]  # a bf16 KV is half the float32 bytes
     with pytest.raises(comparison.CompareInputError, match="--bytes 2: a budget is the state's share"):
         comparison.parse_bytes("2", "float32")
+
+
+@pytest.mark.slow
+def test_compare_kvzip_rows_carry_the_budget_and_a_layer_head_heat_map(tiny_run):
+    ctx = tiny_run
+    res = comparison.compare(ctx, ["none", "full", "evict", "kvzip_select", "kvzip_fit"])
+    by = {(r.system, r.split): r for r in res.rows}
+    plan = baseline_plan(ctx, ctx.config.train.module.rho)
+    one_pair_per_head = plan.num_layers * plan.num_kv_heads * (2 * plan.head_dim + 1) * 4
+    for split in ("test", "probes"):
+        for s in ("kvzip_select", "kvzip_fit"):
+            r = by[(s, split)]
+            assert r.kind == "baseline" and r.kl_ci_low - 1e-9 <= r.kl_to_full <= r.kl_ci_high + 1e-9
+            # the same budget as per-head eviction (masked slots count nothing), up to its per-head rounding
+            assert abs(r.state_bytes - by[("evict", split)].state_bytes) <= one_pair_per_head
+            assert r.train_seconds > 0  # time to the state: reconstruction + selection (+ fit)
+    assert "allocation.png" in res.files
+    assert open(ctx.run.local_path("compare", "allocation.png"), "rb").read()[:4] == b"\x89PNG"
+    assert "Kept pairs per layer" in open(ctx.run.local_path("compare", "comparison.md")).read()

@@ -10,6 +10,7 @@ from nectar.tables import ArtifactError, read_table, write_table
 def test_registry_holds_the_issue_systems_once_each():
     quantized = [f"{b}@int{bits}" for bits in (8, 4) for b in (*BASELINES, "matching")]
     assert list(SYSTEMS) == ["none", "full", "regression", "mixed", "distill", "cartridges", "matching", "truncate",
+<<<<<<< HEAD
                              "evict", "attention_matching", *quantized]
     assert {s.name for s in SYSTEMS.values() if s.kind == "reference"} == {"none", "full"}
     for s in SYSTEMS.values():
@@ -22,6 +23,20 @@ def test_registry_holds_the_issue_systems_once_each():
             assert s.baseline == name in BASELINES  # a name fit_baseline accepts
     # default: every system this checkout can run, but the opt-in quantized trained ones (a training each)
     assert [s.name for s in resolve(None)] == [n for n in SYSTEMS if not n.startswith("matching@")]
+=======
+                             "evict", "attention_matching", "kvzip_select", "kvzip_select_layer",
+                             "kvzip_select_mean", "kvzip_fit", "kvzip_fit_layer", "kvzip_fit_recon",
+                             "kvzip_fit_nosink", "kvzip_fit_template", "kvzip_train", "kvzip_train_recon", "kvzip_distill"]
+    assert {s.name for s in SYSTEMS.values() if s.kind == "reference"} == {"none", "full"}
+    for s in SYSTEMS.values():
+        if s.kind == "trained":  # a regime's own system, or kvzip's state refined under one
+            assert s.regime == s.name or s.overlay["train"]["module"]["init"] == "kvzip"
+        if s.kind == "baseline":
+            assert s.baseline in (*BASELINES, "kvzip")  # a name fit_baseline (or fit_kvzip) accepts
+    # this checkout has the baselines; the ablations run only when asked for
+    assert [s.name for s in resolve(None)] == [s for s in SYSTEMS if s in ("kvzip_select", "kvzip_fit")
+                                               or not s.startswith("kvzip")]
+>>>>>>> fidelity
     assert [s.name for s in resolve(["evict", "none"])] == ["none", "evict"]  # registry order
     with pytest.raises(ConfigError, match="unknown system 'x'"):
         resolve(["x"])

@@ -445,9 +445,30 @@ def test_cache_dict_drops_every_resource_field_at_every_depth():
         parent = path[:-1]
         assert path[-1] in _at(full, parent), path
         assert path[-1] not in _at(cache, parent), path
-    # and nothing else is dropped
+    # and nothing else is dropped but feature switches still at their defaults (none set in this preset)
+    features = [p for p in _feature_paths(PipelineConfig)]
+    assert ("targets", "recon") in features and ("train", "module", "select") in features
+    feature_leaves = sum(sum(1 for _ in _leaves(v)) if isinstance(v := _at(full, p), dict) else 1 for p in features)
     n_leaves = sum(1 for _ in _leaves(full))
-    assert sum(1 for _ in _leaves(cache)) == n_leaves - len(paths)
+    assert sum(1 for _ in _leaves(cache)) == n_leaves - len(paths) - feature_leaves
+
+
+def _feature_paths(cls: type[FrozenConfig], prefix: tuple[str, ...] = ()):
+    for name, field in cls.model_fields.items():
+        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+        ann = field.annotation
+        if extra.get("feature"):
+            yield prefix + (name,)
+        elif isinstance(ann, type) and issubclass(ann, FrozenConfig):
+            yield from _feature_paths(ann, prefix + (name,))
+
+
+def test_a_feature_switch_enters_the_cache_key_only_away_from_its_default():
+    cfg = load_config("cpu")
+    assert "recon" not in cfg.targets.cache_dict()  # runs made before the switch existed stay cached
+    on = load_config("cpu", overrides=["targets.recon.capture=true"])
+    assert on.targets.cache_dict()["recon"]["capture"] is True
+    assert cache_key("targets", on.targets, {}) != cache_key("targets", cfg.targets, {})
 
 
 def test_stable_hash_is_sha256_of_canonical_json():

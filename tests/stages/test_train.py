@@ -119,3 +119,29 @@ def test_resume_after_sigkill_reaches_the_uninterrupted_result(tiny_llama, targe
     rb = read_table(str(tmp_path / "straight" / "train_log.parquet"), TrainLogRow)
     assert ra == rb
     assert counts["train_loss"] == [r for r in rb if r.split == "train"][-1].loss
+
+
+def test_kvzip_init_trains_the_selected_state_and_saves_only_its_real_pairs(tiny_llama, targets, tmp_path):
+    from nectar.attention.exact import ExactDocState
+    from nectar.modules.provider import ModuleDocState
+    from nectar.schemas.config import ProbesConfig, ReconConfig
+    from nectar.stages.recon import make_recon
+
+    url, layout, kv, sha = targets
+    spans = [(s.instruction, s.response)
+             for s in make_recon(DOC, ReconConfig(span_words=12, withheld_fraction=0.0), ProbesConfig(block_units=1))]
+    cfg = CFG.model_copy(update={"samples": 32, "module": ModuleConfig(arch="quadrature", rho=0.25, bias=True,
+                                                                      init="kvzip")})
+    with pytest.raises(TrainInputError, match="reconstruction spans"):
+        train(url, cfg, tiny_llama, kv, str(tmp_path))
+    counts = train(url, cfg, tiny_llama, kv, str(tmp_path), document=DOC, spans=spans)
+    spec = read_spec(str(tmp_path))
+    counts_per_head = spec.module_config["quad_head_pairs"]
+    d, budgets = tiny_llama.head_dim, spec.module_config["budgets"]
+    assert sum(map(sum, counts_per_head)) == tiny_llama.num_kv_heads * sum(budgets) // (2 * d + 1)
+    assert spec.n_params == sum(map(sum, counts_per_head)) * (2 * d + 1)  # masked slots hold nothing
+    assert counts["steps"] == 2
+    module, _ = load_module(str(tmp_path), tiny_llama, sha)  # loads back as trained (padded widths)
+    q = torch.randn(1, tiny_llama.num_q_heads, 3, d) * 3
+    st = ModuleDocState(module)(0, q, tiny_llama.scaling)
+    assert torch.isfinite(st.out).all() and st.lse.shape == ExactDocState(kv)(0, q, tiny_llama.scaling).lse.shape

@@ -1,0 +1,223 @@
+"""KVzip-style selection: keys scored by how much reconstructing the document attends to them, one
+budget ranked across all layers and KV heads, anchors kept exact — then, optionally, Attention
+Matching's closed-form β and values on the kept keys (what only this project adds on top).
+
+  1. score    the reconstruction spans (nectar/stages/recon.py) run through the model against the
+              exact document KV; at every layer, key j of KV head h scores its attention probability
+              under the WHOLE softmax (document keys and the query's own tokens: a head that mostly
+              reads its local context gives the document little), aggregated over the response
+              tokens and the GQA group by max (no position starved) or mean         → [L, Hkv, n]
+  2. allocate the plan's total bytes as (key, value) pairs: one ranking over every (layer, head,
+              key) (``global``), per layer (``layer``) or per head (``head``); anchors (first
+              ``sink_tokens`` tokens, optionally every chat-template token) first, and every head
+              keeps at least its best key                                         → counts [L, Hkv]
+  3. fit      (``fit``) β by NNLS and values by least squares on the kept keys (attention_matching.py),
+              on the reconstruction queries (and the targets' train queries)
+The state is a quadrature module whose layers are as wide as their widest head; a head with fewer
+keys has masked slots (β = −inf, W = Z = 0) that no query reaches and that count no bytes.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from ..attention.exact import ExactDocState
+from ..attention.interface import nectar_attention
+from ..attention.state import AttnState
+from ..layout import PromptLayout
+from ..base_model import BaseLM
+from ..modules.builder import ModulePlan, NectarModule, build_module
+from ..modules.provider import group_queries
+from ..targets.capture import pack
+from .attention_matching import fit_log_mass, fit_values
+from .selection import attention_probs
+
+RECON_BATCH_TOKENS = 1024  # query tokens per scoring forward (bounds the [Hq, T, n] probabilities)
+
+
+@dataclass
+class ReconCapture:
+    """What reconstructing the document gives: key scores and the response tokens' exact targets."""
+
+    scores: torch.Tensor  # [L, Hkv, n] aggregated attention probability of every document key
+    q: torch.Tensor  # [T, L, Hq, d] rotated queries of the response tokens
+    alpha: torch.Tensor  # [T, L, Hq] log-sum-exp over the document keys
+    A: torch.Tensor  # [T, L, Hq, d] document attention outputs
+
+
+class _ScoreRecorder:
+    """Per layer: the max (or summed) whole-softmax probability of every document key over the
+    response rows of the batch, and those rows' (q, α, A)."""
+
+    def __init__(self, keys: list[torch.Tensor], rows: torch.Tensor, scaling: float, aggregate: str,
+                 scores: torch.Tensor):
+        self.keys, self.rows, self.scaling, self.aggregate = keys, rows, scaling, aggregate
+        self.scores = scores  # [L, Hkv, n], updated in place
+        self.q: dict[int, torch.Tensor] = {}
+        self.alpha: dict[int, torch.Tensor] = {}
+        self.A: dict[int, torch.Tensor] = {}
+
+    def __call__(self, layer: int, q: torch.Tensor, doc: AttnState | None, local: AttnState | None) -> None:
+        qr = q[0][:, self.rows].float()  # [Hq, R, d]
+        doc_lse = doc.lse[0][:, self.rows].float()  # [Hq, R]
+        total = doc_lse if local is None else torch.logaddexp(doc_lse, local.lse[0][:, self.rows].float())
+        keys = self.keys[layer].float()  # [Hkv, n, d]
+        hkv, hq = keys.shape[0], qr.shape[0]
+        g = hq // hkv
+        logits = torch.einsum("hgrd,hnd->hgrn", qr.reshape(hkv, g, -1, qr.shape[-1]), keys) * self.scaling
+        probs = torch.exp(logits - total.reshape(hkv, g, -1, 1))  # [Hkv, g, R, n]
+        if self.aggregate == "max":
+            self.scores[layer] = torch.maximum(self.scores[layer], probs.amax(dim=(1, 2)))
+        else:
+            self.scores[layer] += probs.sum(dim=(1, 2))
+        self.q[layer] = qr.transpose(0, 1)  # [R, Hq, d]
+        self.alpha[layer] = doc_lse.transpose(0, 1)  # [R, Hq]
+        self.A[layer] = doc.out[0][:, self.rows].float().transpose(0, 1)  # [R, Hq, d]
+
+
+@torch.no_grad()
+def recon_capture(base: BaseLM, layout: PromptLayout, doc_kv, spans: list[tuple[str, str]],
+                  aggregate: str = "max") -> ReconCapture:
+    """Run the reconstruction spans ((instruction, response) pairs) against the exact document KV."""
+    if not spans:
+        raise ValueError("no reconstruction spans: the document has no unit outside the withheld blocks")
+    pairs = [layout.pair(i, r) for i, r in spans]
+    L, n = base.num_layers, layout.n
+    keys = [k.to(base.device) for k in doc_kv.keys]
+    scores = torch.zeros(L, base.num_kv_heads, n, device=base.device)
+    provider = ExactDocState(doc_kv)
+    qs, alphas, As = [], [], []
+    for batch in _batches(pairs, RECON_BATCH_TOKENS):
+        ids, positions, segments = pack([p.ids for p in batch], n, base.device)
+        rows = torch.cat([torch.arange(s + p.response_start, e, device=base.device)
+                          for p, (s, e) in zip(batch, segments)])  # response tokens (the span itself)
+        rec = _ScoreRecorder(keys, rows, base.scaling, aggregate, scores)
+        with nectar_attention(base.model, provider, recorder=rec, segments=segments):
+            base.model.get_decoder()(input_ids=ids, position_ids=positions, use_cache=False)
+        qs.append(torch.stack([rec.q[i] for i in range(L)], 1).cpu())  # [R, L, Hq, d]
+        alphas.append(torch.stack([rec.alpha[i] for i in range(L)], 1).cpu())
+        As.append(torch.stack([rec.A[i] for i in range(L)], 1).cpu())
+    if aggregate == "mean":
+        scores /= sum(len(q) for q in qs) * (base.num_q_heads // base.num_kv_heads)
+    return ReconCapture(scores.cpu(), torch.cat(qs), torch.cat(alphas), torch.cat(As))
+
+
+def _batches(pairs, max_tokens: int):
+    batch, tokens = [], 0
+    for p in pairs:
+        if batch and tokens + len(p.ids) > max_tokens:
+            yield batch
+            batch, tokens = [], 0
+        batch.append(p)
+        tokens += len(p.ids)
+    if batch:
+        yield batch
+
+
+def anchor_mask(n: int, sink_tokens: int, template: torch.Tensor | None = None) -> torch.Tensor:
+    """[n] bool: the first ``sink_tokens`` context tokens, and the template tokens when given."""
+    mask = torch.zeros(n, dtype=torch.bool)
+    mask[:min(sink_tokens, n)] = True
+    if template is not None:
+        mask |= template
+    return mask
+
+
+def template_mask(layout: PromptLayout, document: str) -> torch.Tensor:
+    """[n] bool: context tokens outside the document text (the chat template and the wrapper)."""
+    tok, ids = layout.tokenizer, list(layout.context_ids)
+    text = tok.decode(ids)
+    start = text.find(document.strip()[:64])
+    if start < 0:
+        raise ValueError("the document text is not found in its decoded context; cannot mark template tokens")
+    end = start + len(document.strip())
+
+    def first_token_reaching(chars: int) -> int:  # smallest i whose decoded prefix ids[:i] covers `chars`
+        lo, hi = 0, len(ids)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if len(tok.decode(ids[:mid])) >= chars:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    mask = torch.ones(len(ids), dtype=torch.bool)
+    mask[first_token_reaching(start + 1) - 1: first_token_reaching(end)] = False  # tokens touching the text
+    return mask
+
+
+def allocate(scores: torch.Tensor, plan: ModulePlan, per_pair: int, mode: str,
+             anchors: torch.Tensor) -> list[list[torch.Tensor]]:
+    """Kept key indices per (layer, KV head) (document order) within the plan's total budget.
+
+    scores [L, H, n]; ``per_pair`` parameters per kept key (2d, or 2d + 1 with β). The total is
+    H·ΣP_ℓ parameters, as every other system at this ρ; ``layer``/``head`` split it as the plan does."""
+    L, H, n = scores.shape
+    s = scores.clone().float()
+    s[:, :, anchors] = float("inf")  # anchors first
+    best = s.argmax(-1)  # [L, H]: every head keeps at least one key
+    s.scatter_(-1, best.unsqueeze(-1), float("inf"))
+    keep = torch.zeros(L, H, n, dtype=torch.bool)
+    if mode == "global":
+        total = H * sum(plan.budgets) // per_pair
+        _keep_top(keep.view(-1), s.view(-1), total, "the whole state")
+    elif mode == "layer":
+        for layer in range(L):
+            _keep_top(keep[layer].view(-1), s[layer].reshape(-1), H * plan.budgets[layer] // per_pair,
+                      f"layer {layer}")
+    elif mode == "head":
+        for layer in range(L):
+            for h in range(H):
+                _keep_top(keep[layer, h], s[layer, h], plan.budgets[layer] // per_pair, f"layer {layer} head {h}")
+    else:
+        raise ValueError(f"unknown budget mode {mode!r}; use global, layer or head")
+    return [[keep[layer, h].nonzero().squeeze(1) for h in range(H)] for layer in range(L)]
+
+
+def _keep_top(keep: torch.Tensor, scores: torch.Tensor, k: int, where: str) -> None:
+    forced = int(torch.isinf(scores).sum())
+    if forced > k:
+        raise ValueError(f"{where}: {forced} anchor keys need more than its budget of {k} pairs; "
+                         "lower select.sink_tokens, turn off select.template_tokens or raise rho")
+    keep[torch.topk(scores, min(k, scores.numel())).indices] = True
+
+
+def selection_plan(plan: ModulePlan, kept: list[list[torch.Tensor]], fit: bool) -> ModulePlan:
+    """The quadrature plan holding ``kept``: each layer as wide as its widest head, with β (masks)."""
+    counts = tuple(tuple(int(i.numel()) for i in heads) for heads in kept)
+    return dataclasses.replace(plan, arch="quadrature", mlp_widths=(), quad_bias=True,
+                               quad_pairs=tuple(max(c) for c in counts), quad_head_pairs=counts,
+                               quad_bias_stored=fit)
+
+
+@torch.no_grad()
+def build_selected(plan: ModulePlan, kept: list[list[torch.Tensor]], doc_kv, queries=None) -> NectarModule:
+    """The module of the kept keys: exact KV (β = 0), or with fitted β and values when ``queries``
+    (an object with q [T, L, Hq, d], alpha [T, L, Hq], A [T, L, Hq, d]) are given."""
+    module = build_module(plan)
+    hkv = plan.num_kv_heads
+    for layer, net in enumerate(module.layers):
+        p = plan.quad_pairs[layer]
+        keys = doc_kv.keys[layer].detach().float().cpu()  # [Hkv, n, d]
+        values = doc_kv.values[layer].detach().float().cpu()
+        W = torch.zeros(hkv, p, plan.head_dim)
+        Z = torch.zeros(hkv, p, plan.head_dim)
+        B = torch.full((hkv, p), float("-inf"))  # masked slots
+        if queries is not None:
+            q = group_queries(queries.q[:, layer].float(), hkv)  # [T·g, Hkv, d]
+            alpha = group_queries(queries.alpha[:, layer].float().unsqueeze(-1), hkv).squeeze(-1)  # [T·g, Hkv]
+            A = group_queries(queries.A[:, layer].float(), hkv)  # [T·g, Hkv, d]
+        for h, idx in enumerate(kept[layer]):
+            c = idx.numel()
+            W[h, :c], Z[h, :c], B[h, :c] = keys[h, idx], values[h, idx], 0.0
+            if queries is not None:
+                mass = attention_probs(q[:, h], alpha[:, h], keys[h], plan.scaling)[:, idx]  # [T·g, c]
+                beta = fit_log_mass(mass)
+                Z[h, :c] = fit_values(mass, beta, A[:, h], values[h, idx]).float()
+                B[h, :c] = beta.float()
+        net.set_pairs(W, Z, B)
+    return module.eval()
+

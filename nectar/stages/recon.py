@@ -1,0 +1,75 @@
+"""Reconstruction queries: the document asked back, span by span (KVzip's context reconstruction).
+
+Spans of whole units (sentences, headings, list items — ``probes.split_units``) tile the document,
+each of at least ``recon.span_words`` words. Each is a query "repeat the document from where these
+words end: «the cue_words words before the span»" whose response is the span verbatim; the first
+span is asked for with "repeat the document from its beginning". Reproducing a span attends to
+every document token it needs, so their attention picks the keys worth keeping at every position
+(query-agnostic: no question about the document is needed).
+
+A fraction of the held-out probe blocks (``recon.withheld_fraction`` of the document) is left out
+of the spans: held-out probes there measure what a state keeps of text nobody reconstructed,
+probes elsewhere what it keeps of reconstructed text asked in another wording.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from ..schemas.artifacts import DatasetRow
+from ..schemas.config import ProbesConfig, ReconConfig
+from .probes import Unit, held_out_units, split_units
+
+FIRST = "Repeat the document verbatim from its beginning."
+NEXT = "Repeat the document verbatim, continuing from where these words end: «{cue}»"
+
+
+@dataclass(frozen=True)
+class ReconSpan:
+    span_id: str
+    instruction: str
+    response: str  # the span, verbatim (line breaks kept)
+    first_unit: int
+    last_unit: int
+
+
+def withheld_units(n_units: int, recon: ReconConfig, probes: ProbesConfig) -> set[int]:
+    """Units of ``withheld_fraction`` of the document's blocks, drawn from the held-out probe blocks."""
+    held = held_out_units(n_units, probes)
+    blocks = sorted({u // probes.block_units for u in held})
+    total = (n_units + probes.block_units - 1) // probes.block_units
+    k = min(len(blocks), round(recon.withheld_fraction * total))
+    chosen = random.Random(recon.seed).sample(blocks, k)
+    return {u for b in chosen for u in range(b * probes.block_units, min(n_units, (b + 1) * probes.block_units))
+            if u in held}
+
+
+def make_recon(text: str, recon: ReconConfig, probes: ProbesConfig) -> list[ReconSpan]:
+    """The reconstruction spans of ``text`` in document order (withheld units excluded)."""
+    units = split_units(text)
+    withheld = withheld_units(len(units), recon, probes)
+    spans: list[ReconSpan] = []
+    current: list[Unit] = []
+    for u in units + [None]:
+        ends = u is None or u.index in withheld
+        if u is not None and not ends:
+            current.append(u)
+        if current and (ends or sum(x.n_words for x in current) >= recon.span_words):
+            spans.append(_span(text, current, recon.cue_words, len(spans)))
+            current = []
+    return spans
+
+
+def _span(text: str, units: list[Unit], cue_words: int, i: int) -> ReconSpan:
+    start = units[0].start
+    before = text[:start].split()
+    instruction = FIRST if not before else NEXT.format(cue=" ".join(before[-cue_words:]))
+    return ReconSpan(f"recon-{i:05d}", instruction, text[start:units[-1].end], units[0].index, units[-1].index)
+
+
+def recon_dataset_rows(spans: list[ReconSpan]) -> list[DatasetRow]:
+    """Spans as dataset rows of split ``recon`` for the targets stage."""
+    return [DatasetRow(pair_id=s.span_id, chunk_id=-1, task="recon", instruction=s.instruction,
+                       response=s.response, full_answer=s.response, judge_raw="", is_consistent=None,
+                       confidence=None, reasoning="reconstruction span", verdict="recon", kept=True,
+                       split="recon") for s in spans]

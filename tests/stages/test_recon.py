@@ -1,0 +1,41 @@
+"""Reconstruction spans as a targets split of their own: captured with every other pair, split code
+``recon``, never an evaluated (held-out) split."""
+import hashlib
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "training"))
+from targets_fixture import DOC, dataset_rows  # noqa: E402
+
+from nectar.attention.doc_kv import prefill_document  # noqa: E402
+from nectar.evaluation.selection import split_pools  # noqa: E402
+from nectar.layout import build_layout  # noqa: E402
+from nectar.schemas.artifacts import SPLIT_CODES, TargetsPairRow  # noqa: E402
+from nectar.schemas.config import ProbesConfig, ReconConfig, TargetsConfig  # noqa: E402
+from nectar.stages.recon import make_recon, recon_dataset_rows  # noqa: E402
+from nectar.stages.targets import build_targets  # noqa: E402
+from nectar.tables import read_table  # noqa: E402
+from nectar.targets.store import open_targets  # noqa: E402
+from nectar.training.data import TargetsData  # noqa: E402
+
+
+def test_recon_split_is_captured_as_its_own_split_and_not_evaluated(tiny_llama, tmp_path):
+    layout = build_layout(tiny_llama.tokenizer, DOC)
+    kv = prefill_document(tiny_llama, layout.context_ids)
+    spans = make_recon(DOC, ReconConfig(span_words=12, withheld_fraction=0.0), ProbesConfig(block_units=1))
+    cfg = TargetsConfig(top_k=8, max_query_tokens=96, chunk_tokens=16, shard_tokens=64, batch_size=4)
+    out = str(tmp_path)
+    build_targets(tiny_llama, layout, kv, dataset_rows() + recon_dataset_rows(spans), cfg, out,
+                  hashlib.sha256(DOC.encode()).hexdigest())
+    rows = read_table(f"{out}/pairs.parquet", TargetsPairRow)
+    recon = [r for r in rows if r.split == "recon"]
+    assert len(recon) == len(spans) and all(r.task == "recon" for r in recon)
+    g, header = open_targets(f"{out}/targets.zarr")
+    assert header.split_pairs["recon"] == len(spans)
+    assert (g["pair_split"][:] == SPLIT_CODES["recon"]).sum() == len(spans)
+    data = TargetsData(f"{out}/targets.zarr")
+    tokens = data.tokens("recon")
+    assert len(tokens) == sum(r.length for r in recon) and np.isfinite(data.rows(tokens[:8]).alpha.numpy()).all()
+    assert "recon" not in split_pools(rows)  # training queries, never a held-out split
