@@ -10,33 +10,24 @@ from nectar.tables import ArtifactError, read_table, write_table
 def test_registry_holds_the_issue_systems_once_each():
     quantized = [f"{b}@int{bits}" for bits in (8, 4) for b in (*BASELINES, "matching")]
     assert list(SYSTEMS) == ["none", "full", "regression", "mixed", "distill", "cartridges", "matching", "truncate",
-<<<<<<< HEAD
-                             "evict", "attention_matching", *quantized]
+                             "evict", "attention_matching", "kvzip_select", "kvzip_select_layer",
+                             "kvzip_select_mean", "kvzip_fit", "kvzip_fit_layer", "kvzip_fit_recon",
+                             "kvzip_fit_nosink", "kvzip_fit_template", "kvzip_train", "kvzip_train_recon", "kvzip_distill",
+                             *quantized]
     assert {s.name for s in SYSTEMS.values() if s.kind == "reference"} == {"none", "full"}
     for s in SYSTEMS.values():
         name, _, precision = s.name.partition("@")
         assert s.bits == (int(precision.removeprefix("int")) if precision and s.kind == "baseline" else 32)
-        if s.kind == "trained":
-            assert s.regime == name
-            assert s.overlay.get("train", {}).get("module", {}).get("bits", 32) == (int(precision[3:]) if precision else 32)
-        if s.kind == "baseline":
-            assert s.baseline == name in BASELINES  # a name fit_baseline accepts
-    # default: every system this checkout can run, but the opt-in quantized trained ones (a training each)
-    assert [s.name for s in resolve(None)] == [n for n in SYSTEMS if not n.startswith("matching@")]
-=======
-                             "evict", "attention_matching", "kvzip_select", "kvzip_select_layer",
-                             "kvzip_select_mean", "kvzip_fit", "kvzip_fit_layer", "kvzip_fit_recon",
-                             "kvzip_fit_nosink", "kvzip_fit_template", "kvzip_train", "kvzip_train_recon", "kvzip_distill"]
-    assert {s.name for s in SYSTEMS.values() if s.kind == "reference"} == {"none", "full"}
-    for s in SYSTEMS.values():
-        if s.kind == "trained":  # a regime's own system, or kvzip's state refined under one
-            assert s.regime == s.name or s.overlay["train"]["module"]["init"] == "kvzip"
+        if s.kind == "trained":  # a regime's own system (at a precision), or kvzip's state refined under one
+            module = s.overlay.get("train", {}).get("module", {})
+            assert s.regime == name or module["init"] == "kvzip"
+            assert module.get("bits", 32) == (int(precision[3:]) if precision else 32)
         if s.kind == "baseline":
             assert s.baseline in (*BASELINES, "kvzip")  # a name fit_baseline (or fit_kvzip) accepts
-    # this checkout has the baselines; the ablations run only when asked for
-    assert [s.name for s in resolve(None)] == [s for s in SYSTEMS if s in ("kvzip_select", "kvzip_fit")
-                                               or not s.startswith("kvzip")]
->>>>>>> fidelity
+    # default: every system this checkout can run, but the ablations and the opt-in quantized trained
+    # ones (a training each)
+    assert [s.name for s in resolve(None)] == [n for n in SYSTEMS if not n.startswith("matching@") and (
+        n in ("kvzip_select", "kvzip_fit") or not n.startswith("kvzip"))]
     assert [s.name for s in resolve(["evict", "none"])] == ["none", "evict"]  # registry order
     with pytest.raises(ConfigError, match="unknown system 'x'"):
         resolve(["x"])
