@@ -445,7 +445,7 @@ def test_cache_dict_drops_every_resource_field_at_every_depth():
         parent = path[:-1]
         assert path[-1] in _at(full, parent), path
         assert path[-1] not in _at(cache, parent), path
-    # and nothing else is dropped but feature switches still at their defaults (none set in this preset)
+    # and nothing else is dropped but settings added later, still at their defaults (none set in this preset)
     features = [p for p in _feature_paths(PipelineConfig)]
     assert ("targets", "recon") in features and ("train", "module", "select") in features
     feature_leaves = sum(sum(1 for _ in _leaves(v)) if isinstance(v := _at(full, p), dict) else 1 for p in features)
@@ -457,7 +457,7 @@ def _feature_paths(cls: type[FrozenConfig], prefix: tuple[str, ...] = ()):
     for name, field in cls.model_fields.items():
         extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
         ann = field.annotation
-        if extra.get("feature"):
+        if extra.get("omit_default"):
             yield prefix + (name,)
         elif isinstance(ann, type) and issubclass(ann, FrozenConfig):
             yield from _feature_paths(ann, prefix + (name,))
