@@ -28,7 +28,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
             {
                 "attention", "baselines", "documents", "evaluation", "integrity",
                 "layout", "llm", "base_model", "models", "modules", "prompts", "serving",
-                "storage", "tables", "targets", "training", "ask",
+                "storage", "tables", "targets", "training", "ask", "shutdown",
             }
         ),
     ),

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import fsspec
 
-from .. import __version__, integrity
+from .. import __version__, integrity, shutdown
 from ..schemas.artifacts import StageManifest
 from ..schemas.base import FrozenConfig, stable_hash
 from ..schemas.config import STAGES
@@ -198,13 +198,16 @@ def run_stage(
     atomic_write(run.url(stage, ATTEMPT), json.dumps({"cache_key": key, "started_at": now()}))
     started, t0 = now(), time.perf_counter()
     try:
-        with written_digests(stage_url) as written:
+        with written_digests(stage_url) as written, shutdown.doing(stage):
             files, counts = body(stage_url)
         fs, path = fsspec.core.url_to_fs(stage_url)
         digests = integrity.digest_outputs(fs, path, files, written)
     except BaseException as exc:
         try:
-            run.write_error(stage, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}")
+            if isinstance(exc, KeyboardInterrupt):  # a signal: nothing is wrong, the next run resumes
+                run.write_error(stage, f"interrupted: {str(exc) or 'SIGINT (Ctrl-C)'}; the next run resumes this stage")
+            else:
+                run.write_error(stage, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}")
             _record_invocation(run, stage, "failed")
         except OSError as record_exc:  # e.g. the disk that made the stage fail is full: report the stage's error
             notify(f"{stage}: could not record the failure in {run.url(stage)} ({record_exc})")
