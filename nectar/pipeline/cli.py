@@ -17,6 +17,7 @@ from .. import shutdown
 from ..schemas.config import STAGES
 from . import deploy as ops
 from .errors import OrchestratorUnreachable, interrupted_line, reported, resume_command
+from .prefect_api import check_environment_url
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="NECTAR: per-document modules that replace attention over a long document's KV cache.")
@@ -93,8 +94,8 @@ def run(
                 document=document or checked.info.source_uri, preset=preset, config_file=config,
                 overrides=list(set_), run_dir=checked.run.root, from_stage=from_stage, only_stage=only_stage,
                 force=force, regime=regime)
-    _print_status(result["run_dir"])
-    typer.echo(result["run_dir"])
+        _print_status(result["run_dir"])  # reads every output byte: Ctrl-C stops it too
+        typer.echo(result["run_dir"])
 
 
 class _Resume:
@@ -114,6 +115,7 @@ def _stoppable(debug: bool) -> Iterator[_Resume]:
     try:
         with shutdown.handling_signals(forced_line=lambda stop, stage: interrupted_line(stop, resume())[0]), \
                 reported(debug, _error_line, resume):
+            check_environment_url()  # a server that is not there: one line in seconds, before anything loads
             yield resume
     except typer.Exit as done:
         if shutdown.stopped_by()[0] is not None:
@@ -129,6 +131,8 @@ def _error_line(message: str) -> None:
     from rich.text import Text
 
     if not message.startswith("error: "):  # an interrupted run: not an error
+        if console.is_terminal:
+            console.print()  # below a progress bar the signal cut short
         console.print(Text(message, style="yellow"), highlight=False, soft_wrap=True)
         return
     console.print(Text("error: ", style="red") + Text(message[len("error: "):]), highlight=False, soft_wrap=True)
@@ -166,8 +170,8 @@ def sweep(
             flows.CONSOLE_PROGRESS, flows.CONSOLE_NOTICE = _tqdm_progress, _notice
             result = flows.nectar_sweep(document=document, grid=list(grid), preset=preset, config_file=config,
                                         overrides=list(set_), run_dir=checked.run.root, force=force)
-    typer.echo(result["table"])
-    typer.echo(f"{result['run_dir']}/sweep/comparison.md")
+        typer.echo(result["table"])
+        typer.echo(f"{result['run_dir']}/sweep/comparison.md")
 
 
 @app.command()
@@ -208,8 +212,8 @@ def compare(
             console.print(f"[red]error:[/red] {type(exc).__name__}: {exc}", soft_wrap=True)
             console.print("Fix the cause and run the same command again: trained systems are cached.")
             raise typer.Exit(1)
-    typer.echo(result["table"])
-    typer.echo(f"{result['run_dir'].rstrip('/')}/compare/comparison.md")
+        typer.echo(result["table"])
+        typer.echo(f"{result['run_dir'].rstrip('/')}/compare/comparison.md")
 
 
 @app.command()
@@ -287,6 +291,9 @@ def serve_cmd(
     except (FileNotFoundError, ModuleMismatch, ArtifactError, PortInUse) as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(1)
+    # Drained (SIGTERM or Ctrl-C): exit now; the interpreter's own finalization took ~9 s more on a busy
+    # machine (torch's native threads), which a container stop or a second Ctrl-C would cut short.
+    shutdown.exit_now(0)
 
 
 def _print_status(run_dir: str) -> None:

@@ -48,7 +48,7 @@ def interrupted_line(exc: BaseException, resume: str | None = None) -> tuple[str
     first, stage = shutdown.stopped_by()
     stop = first or exc
     stage = stage or getattr(exc, "_nectar_stage", None)
-    where = f"during {stage}" if stage else "before any stage ran"
+    where = f"during {stage}" if stage else "while no stage was running"
     again = f"resume with: {resume}" if resume else "run the same command again to resume"
     if isinstance(stop, shutdown.Interrupted) and stop.reason:
         return f"error: {stop.reason} {where}; the run stopped (finished work is kept): {again}", stop.exit_code

@@ -19,19 +19,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
-import sys
 import threading
+import time
 from contextlib import contextmanager
 from typing import Iterator
 
-import prefect
-
 import httpx
-from prefect.events.worker import EventsWorker
-from prefect.logging.handlers import APILogWorker
-from prefect.server.api.server import SubprocessASGIServer
-from prefect.settings import PREFECT_API_URL, get_current_settings
 
 from .. import shutdown
 from .errors import OrchestratorUnreachable
@@ -42,23 +35,17 @@ POLL_S = 1.0
 DRAIN_S = 3.0  # at exit, the longest the last logs and events may take to reach the server
 
 
-class _SessionServer(SubprocessASGIServer):
-    """Prefect's temporary server (the command of Prefect's own ``_run_uvicorn_command``), started in
-    its own session and tied to this process. Created before Prefect asks for one, it is the instance
-    Prefect's client finds for the ephemeral API (``SubprocessASGIServer()`` keeps one per port)."""
-
-    def _run_uvicorn_command(self) -> subprocess.Popen:
-        server_env = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
-        return subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "--app-dir", str(prefect.__module_path__.parent), "--factory",
-             "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(self.port),
-             "--log-level", "error", "--lifespan", "on"],
-            env={**os.environ, **server_env, **get_current_settings().to_environment_variables(exclude_unset=True)},
-            start_new_session=True, preexec_fn=shutdown.die_with_parent)
-
-
 def configured_url() -> str | None:
+    from prefect.settings import PREFECT_API_URL  # Prefect is imported only once a flow will run
+
     return PREFECT_API_URL.value() or None
+
+
+def check_environment_url() -> None:
+    """``check_reachable`` on ``$PREFECT_API_URL`` before anything else is loaded (a URL set in a
+    Prefect profile instead is checked by ``prefect_api``)."""
+    if os.environ.get("PREFECT_API_URL"):
+        check_reachable(os.environ["PREFECT_API_URL"])
 
 
 def check_reachable(url: str) -> None:
@@ -83,7 +70,9 @@ def prefect_api() -> Iterator[str]:
         check_reachable(url)
         watch = threading.Thread(target=_watch_remote, args=(url, stop), name="nectar-api-watch", daemon=True)
     else:
-        server = _SessionServer()
+        from .temporary_server import SessionServer  # the server's app: heavy, and only needed here
+
+        server = SessionServer()
         server.start()
         url = server.api_url
         assert server.server_process is not None
@@ -100,7 +89,11 @@ def prefect_api() -> Iterator[str]:
 
 
 def _drain_logs(fast: bool) -> None:
-    if not fast:
+    stop, _ = shutdown.stopped_by()
+    if not fast and (stop is None or stop.reason is None):  # not when the API is what went away
+        from prefect.events.worker import EventsWorker
+        from prefect.logging.handlers import APILogWorker
+
         APILogWorker.drain_all(timeout=DRAIN_S)
         EventsWorker.drain_all(timeout=DRAIN_S)
 
