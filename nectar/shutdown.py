@@ -24,6 +24,7 @@ Only the standard library: any layer may register here.
 """
 from __future__ import annotations
 
+import _thread
 import atexit
 import ctypes
 import os
@@ -65,6 +66,7 @@ class _State:
         self.forced_line: Callable[[Interrupted, str | None], str] | None = None
         self.cleaned = False
         self.raised = False  # the main thread's handler has raised: the stop is unwinding
+        self.exiting = False  # exit_now is running: the line is printed
         self.synthetic_int = 0  # SIGINTs that request_stop sent to the main thread (not the user's)
 
 
@@ -172,13 +174,13 @@ def stopped_by() -> tuple[Interrupted | None, str | None]:
 
 # ----- signals -------------------------------------------------------------------------------------------
 
-def _record(stop: Interrupted) -> bool:
+def _record(stop: Interrupted, grace_s: float | None = None) -> bool:
     """Remember the first request to stop; True if this is it."""
     with _S.lock:
         if _S.first is not None:
             return False
         _S.first, _S.stage_at_stop = stop, _S.activity
-        _arm_deadline()
+        _arm_deadline(_S.grace_s if grace_s is None else grace_s)
         return True
 
 
@@ -194,19 +196,18 @@ class _Requested(Interrupted):
     """A stop asked for by the process itself (``request_stop``), delivered as a SIGINT to the main thread."""
 
 
-def request_stop(reason: str, exit_code: int = 1) -> None:
-    """Stop the main thread as a signal would, from any thread (e.g. the orchestrator went away)."""
-    import _thread
-
-    if _record(_Requested(signal.SIGINT, reason, exit_code)):
+def request_stop(reason: str, exit_code: int = 1, grace_s: float = 2.0) -> None:
+    """Stop the main thread as a signal would, from any thread (e.g. the orchestrator went away);
+    exit after ``grace_s`` at the latest (short: what the main thread would wait for is gone)."""
+    if _record(_Requested(signal.SIGINT, reason, exit_code), grace_s):
         with _S.lock:
             _S.synthetic_int += 1  # the watcher sees this SIGINT too: not the user's second Ctrl-C
         _thread.interrupt_main(signal.SIGINT)
 
 
-def _arm_deadline() -> None:
+def _arm_deadline(grace_s: float) -> None:
     if _S.deadline is None:
-        _S.deadline = threading.Timer(_S.grace_s, _force_exit, args=(False,))
+        _S.deadline = threading.Timer(grace_s, _force_exit, args=(False,))
         _S.deadline.daemon = True
         _S.deadline.start()
 
@@ -219,9 +220,11 @@ def _force_exit(second: bool) -> None:
             line = _S.forced_line(stop, _S.stage_at_stop)
         except Exception:  # noqa: BLE001
             line = None
+    if _S.exiting and not second:
+        line = None  # the command printed its line and is running the cleanups: only cut them short
     if second:
         line = f"interrupted again: exiting now{'; ' + line if line else ''}"
-    elif line:
+    elif line and not isinstance(stop, _Requested):
         line += f" (forced after {_S.grace_s:.0f} s)"
     if line:
         try:
@@ -293,7 +296,9 @@ def handling_signals(forced_line: Callable[[Interrupted, str | None], str] | Non
 
 def exit_now(code: int) -> None:
     """End a stopped process: run the cleanups, flush, ``os._exit`` — skipping the interpreter's
-    finalization, which can wait for seconds on native threads a stage left mid-work."""
+    finalization, which can wait for seconds on native threads a stage left mid-work. The deadline
+    still holds: cleanups that take too long are cut short."""
+    _S.exiting = True
     run_cleanups()
     for stream in (sys.stdout, sys.stderr):
         try:

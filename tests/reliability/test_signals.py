@@ -26,7 +26,7 @@ from matrix_helpers import DOCUMENT, outputs
 from nectar.orchestration.executor import RunDir, last_invocation
 from nectar.schemas.config import STAGES
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # five runs (~4 min on an idle 2-core machine)
 REPO = Path(__file__).resolve().parents[2]
 NECTAR = [sys.executable, "-m", "nectar.pipeline.cli"]
 STOP_BOUND_S = 15.0  # signal → process and everything it started gone (the deadline is 10 s)
