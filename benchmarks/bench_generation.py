@@ -14,7 +14,7 @@ The first three are ``nectar.evaluation.benchmark.run_benchmark``, the evaluate 
 defaults, so the stage's table and this one measure the same thing. The module is compared with the
 faster of the two full-cache paths (``best``), cold and prefix-cached.
 
-Every decode rate is also printed as a fraction of its memory-bandwidth bound (DESIGN.md §12):
+Every decode rate is also printed as a fraction of its memory-bandwidth bound (docs/design.md §12):
 bytes read per decode step = the model's weights + the module, or + the document's KV (read once per
 step), over a bandwidth this script measures (the read rate of a sum over 512 MiB, torch threads as
 set) unless --bandwidth-gbs is given. The TTFT bound against the prefix cache is the arithmetic one,
@@ -65,7 +65,7 @@ def random_model(name: str, dtype: str, device: str, window: int, rope: dict | N
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    from nectar.models import BaseModel, _weights_fingerprint, cache_dir, embedded_smollm2_dir
+    from nectar.base_model import BaseLM, _weights_fingerprint, cache_dir, embedded_smollm2_dir
 
     # Only the tokenizer and config.json are read: on a machine the 538 MB weights can't travel to
     # (a GPU lease), those two files in $NECTAR_CACHE/models/smollm2-135m-instruct are enough.
@@ -84,7 +84,7 @@ def random_model(name: str, dtype: str, device: str, window: int, rope: dict | N
     else:
         raise SystemExit(f"unknown random model {name!r}; use random:smollm2 or random:qwen3-1.7b")
     if rope is not None:
-        from nectar.models import apply_rope_scaling
+        from nectar.base_model import apply_rope_scaling
 
         apply_rope_scaling(config, rope)
     config.max_position_embeddings = max(window, config.max_position_embeddings)
@@ -94,7 +94,7 @@ def random_model(name: str, dtype: str, device: str, window: int, rope: dict | N
     model.requires_grad_(False)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
-    return BaseModel(model=model, tokenizer=tok, name=name, weights_hash=_weights_fingerprint(model),
+    return BaseLM(model=model, tokenizer=tok, name=name, weights_hash=_weights_fingerprint(model),
                      num_layers=config.num_hidden_layers, num_q_heads=config.num_attention_heads,
                      num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
                      max_context_tokens=config.max_position_embeddings)
@@ -278,7 +278,7 @@ def main() -> None:
     from nectar.evaluation.benchmark import (BENCH_PROMPT, REPEATS, context_of_length, ratios, run_benchmark,
                                              same_architecture, timed_batch)
     from nectar.layout import build_layout
-    from nectar.models import load_base_model
+    from nectar.base_model import load_base_model
     from nectar.modules import plan_module
     from nectar.schemas import ModelConfig
 

@@ -3,18 +3,18 @@
 ``provider`` = ExactDocState(doc_kv)    → the full-context model (exact, document prefilled once)
 ``provider`` = ModuleDocState(module)   → the NECTAR-plugged model (no document KV at all)
 ``provider`` = None                     → the no-document model
-Query tokens always sit at positions n … n+m-1 (DESIGN.md §3). Sampling is ``engine.generate``.
+Query tokens always sit at positions n … n+m-1 (docs/design.md §3). Sampling is ``engine.generate``.
 """
 from __future__ import annotations
 
 import torch
 
-from ..models import BaseModel
+from ..base_model import BaseLM
 from .interface import DocStateProvider, nectar_attention
 
 
 def query_logits(
-    base: BaseModel,
+    base: BaseLM,
     provider: DocStateProvider | None,
     input_ids: torch.Tensor,  # [b, m] right-padded
     n: int,

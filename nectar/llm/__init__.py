@@ -1,4 +1,4 @@
-"""LLM access: one chat interface (``ChatBackend.chat_many``), two backends (DESIGN.md §7).
+"""LLM access: one chat interface (``ChatBackend.chat_many``), two backends (docs/design.md §7).
 
     backend = make_backend(cfg.synthesize.llm, cfg.model)
     results = backend.chat_many([make_request(cfg.synthesize.llm, "Hello")])
@@ -18,7 +18,7 @@ __all__ = [
 def make_backend(llm_cfg: LLMConfig, base_model_cfg: ModelConfig) -> ChatBackend:
     """The backend ``llm_cfg`` names. ``local`` with no model is the pipeline's base model."""
     if llm_cfg.backend == "local":
-        from ..models import load_base_model
+        from ..base_model import load_base_model
         from .local import LocalBackend
 
         model_cfg = base_model_cfg

@@ -3,7 +3,7 @@
 Verification asks hundreds of questions about the same document: every prompt is
 ``template + document + question``. The document part is prefilled ONCE into a KV cache, kept in a
 small LRU keyed by the prefix's token hash, and every batch of questions runs on top of a batch
-expansion-free view of it — the document is never prefilled per request (DESIGN.md §3).
+expansion-free view of it — the document is never prefilled per request (docs/design.md §3).
 """
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def common_prefix_len(seqs: Sequence[Sequence[int]]) -> int:
 
 
 def prefill(base, ids: Sequence[int], start: PrefixKV | None = None) -> PrefixKV:
-    """KV cache of ``ids`` (a BaseModel's one document prefill), continuing from ``start`` when it is
+    """KV cache of ``ids`` (a BaseLM's one document prefill), continuing from ``start`` when it is
     a prefix of ``ids``."""
     if start is not None and tuple(ids[: start.length]) != start.ids:
         raise ValueError("prefill: the cached prefix is not a prefix of these tokens")

@@ -34,8 +34,7 @@ def make_spec(module: NectarModule, plan: ModulePlan, base_model: str, base_mode
     (parameters and normalisation buffers) against 2·n·d·L·Hkv cache entries.
     """
     elem = next(module.parameters()).element_size()
-    tensors = list(module.state_dict().values())
-    module_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    module_bytes = module.nbytes()
     kv_entries = 2 * plan.n_context * plan.head_dim * plan.num_layers * plan.num_kv_heads
     return ModuleSpec(
         base_model=base_model, base_model_hash=base_model_hash, doc_sha256=doc_sha256,
@@ -79,7 +78,7 @@ def check_spec(spec: ModuleSpec, where: str, base_model_hash: str | None = None,
 
 def load_module(dir_url: str, base=None, expect_doc_sha: str | None = None,
                 device: str | torch.device = "cpu") -> tuple[NectarModule, ModuleSpec]:
-    """Load a module, checking it matches ``base`` (a BaseModel) and the expected document."""
+    """Load a module, checking it matches ``base`` (a BaseLM) and the expected document."""
     spec = read_spec(dir_url)
     if base is not None:
         check_spec(spec, dir_url, base.weights_hash, expect_doc_sha, base.head_dim,

@@ -21,6 +21,8 @@ from typing import Callable, Iterator
 import typer
 
 from .. import shutdown
+from ..orchestration.executor import StageError
+from ..orchestration.lock import RunLocked
 
 BAD_INPUT, STAGE_FAILED, LOCKED, INTERRUPTED = 2, 1, 3, 130
 
@@ -32,7 +34,7 @@ class OrchestratorUnreachable(RuntimeError):
 def _bad_input_types() -> tuple[type[BaseException], ...]:
     from ..documents import DocumentError
     from ..layout import ContextTooLongError
-    from ..models import ModelLoadError
+    from ..base_model import ModelLoadError
     from ..modules.io import ModuleMismatch
     from ..orchestration.context import StageInputError
     from ..schemas.presets import ConfigError
@@ -47,7 +49,7 @@ def interrupted_line(exc: BaseException, resume: str | None = None) -> tuple[str
     and the command that resumes it."""
     first, stage = shutdown.stopped_by()
     stop = first or exc
-    stage = stage or getattr(exc, "_nectar_stage", None)
+    stage = stage or (exc.stage if isinstance(exc, StageError) else None)
     where = f"during {stage}" if stage else "while no stage was running"
     again = f"resume with: {resume}" if resume else "run the same command again to resume"
     if isinstance(stop, shutdown.Interrupted) and stop.reason:
@@ -59,9 +61,8 @@ def interrupted_line(exc: BaseException, resume: str | None = None) -> tuple[str
 
 def classify(exc: BaseException, resume: str | None = None) -> tuple[str, int]:
     """The one line and exit code for ``exc`` (``resume``: the command that resumes an interrupted run)."""
-    from ..orchestration.lock import RunLocked
-
-    stage = getattr(exc, "_nectar_stage", None)
+    stage = exc.stage if isinstance(exc, StageError) else None
+    exc = exc.cause if isinstance(exc, StageError) else exc
     where = f"{stage}: " if stage else ""
     text = " ".join(str(exc).split("\n")).strip() or type(exc).__name__
     if isinstance(exc, KeyboardInterrupt):
@@ -117,8 +118,7 @@ def reported(debug: bool, echo: Callable[[str], None] | None = None,
         line = line.removeprefix("error: ")
         if debug:
             traceback.print_exception(exc, file=sys.stderr)
-        elif code == STAGE_FAILED and not stopping and getattr(exc, "_nectar_stage", None) is None \
-                and not isinstance(exc, OrchestratorUnreachable):
+        elif code == STAGE_FAILED and not stopping and not isinstance(exc, (StageError, OrchestratorUnreachable)):
             line += " (--debug shows the traceback)"  # not a stage's: nothing recorded in the run
         signalled = stopping and code > 128
         (echo or (lambda m: print(m, file=sys.stderr)))(line if signalled else f"error: {line}")

@@ -19,7 +19,7 @@ from prefect.runtime import flow_run
 
 from .. import orchestration
 from ..orchestration.readers import write_json
-from ..orchestration.executor import record_failure
+from ..orchestration.executor import StageError, record_failure
 from .gpu_slots import doc_slot, gpu_slot
 from ..schemas.config import STAGES
 from ..schemas.presets import load_config
@@ -121,9 +121,11 @@ def nectar_stage(run_dir: str, stage: str, force: bool = True) -> dict[str, Any]
                 with gpu_slot(stage):  # one GPU stage at a time per GPU, across runs (needs a server)
                     outcome = orchestration.STAGE_RUNNERS[stage](ctx, force)
             except BaseException as exc:
-                record_failure(ctx.run, stage, exc)
-                _publish_failure(ctx, stage, exc)
-                raise
+                failure = record_failure(ctx.run, stage, exc)
+                _publish_failure(ctx, stage, failure.cause if isinstance(failure, StageError) else exc)
+                if failure is exc:
+                    raise
+                raise failure from exc
     logger.info("%s %s: %s %s", ctx.doc_id, stage, outcome.status, outcome.manifest.counts)
     _publish(ctx, stage, outcome)
     return {"stage": stage, "status": outcome.status, "counts": outcome.manifest.counts}

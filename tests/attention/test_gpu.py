@@ -1,4 +1,4 @@
-"""CUDA paths of the attention core (DESIGN.md §2), checked against the exact torch math.
+"""CUDA paths of the attention core (docs/design.md §2), checked against the exact torch math.
 
 * The document-state backends that run on GPU — ``fused`` (torch's flash kernel, returning its lse)
   and ``flash`` (the flash-attn package, when installed) — give the same (out, lse) as the exact
@@ -87,7 +87,7 @@ def _pairs_batch(layout, device):
 
 
 def _load_tiny(name: str, dtype: str):
-    from nectar.models import load_base_model
+    from nectar.base_model import load_base_model
     from nectar.schemas import ModelConfig
 
     return load_base_model(ModelConfig(name=name, dtype=dtype, device="cuda"))
