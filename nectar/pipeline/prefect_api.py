@@ -75,8 +75,7 @@ def prefect_api() -> Iterator[str]:
         server = SessionServer()
         server.start()
         url = server.api_url
-        assert server.server_process is not None
-        shutdown.register_process(server.server_process, "temporary Prefect server", grace_s=5.0)
+        assert server.server_process is not None  # registered with shutdown as it started
         watch = threading.Thread(target=_watch_temporary, args=(server.server_process, stop),
                                  name="nectar-api-watch", daemon=True)
     # Runs before the server stops (cleanups run newest first): the flow runs' last log lines reach it.

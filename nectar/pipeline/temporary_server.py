@@ -23,9 +23,12 @@ class SessionServer(SubprocessASGIServer):
 
     def _run_uvicorn_command(self) -> subprocess.Popen:
         server_env = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
-        return subprocess.Popen(
+        proc = subprocess.Popen(
             [sys.executable, "-m", "uvicorn", "--app-dir", str(prefect.__module_path__.parent), "--factory",
              "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(self.port),
              "--log-level", "error", "--lifespan", "on"],
             env={**os.environ, **server_env, **get_current_settings().to_environment_variables(exclude_unset=True)},
             start_new_session=True, preexec_fn=shutdown.die_with_parent)
+        # Registered at once: a Ctrl-C while it is still starting up stops it too.
+        shutdown.register_process(proc, "temporary Prefect server", grace_s=5.0)
+        return proc
