@@ -171,6 +171,23 @@ def run_stage(
     repair: Repair | None = None,
     notify: Callable[[str], None] = _stderr,
 ) -> StageOutcome:
+    """Run ``body(stage_url)`` unless the stage is complete (``_run_stage``), naming the stage as the
+    one running (``shutdown.doing``: a stop during it says so)."""
+    with shutdown.doing(stage):
+        return _run_stage(run, stage, config, inputs, body, force, code, repair, notify)
+
+
+def _run_stage(
+    run: RunDir,
+    stage: str,
+    config: FrozenConfig | dict[str, Any],
+    inputs: dict[str, str],
+    body: Callable[[str], StageResult],
+    force: bool = False,
+    code: str | None = None,
+    repair: Repair | None = None,
+    notify: Callable[[str], None] = _stderr,
+) -> StageOutcome:
     """Run ``body(stage_url)`` unless a manifest with the same cache key exists AND the outputs on
     disk still match the digests it recorded.
 
@@ -206,14 +223,16 @@ def run_stage(
     atomic_write(run.url(stage, ATTEMPT), json.dumps({"cache_key": key, "started_at": now()}))
     started, t0 = now(), time.perf_counter()
     try:
-        with written_digests(stage_url) as written, shutdown.doing(stage):
+        with written_digests(stage_url) as written:
             files, counts = body(stage_url)
         fs, path = fsspec.core.url_to_fs(stage_url)
         digests = integrity.digest_outputs(fs, path, files, written)
     except BaseException as exc:
         try:
-            if isinstance(exc, KeyboardInterrupt):  # a signal: nothing is wrong, the next run resumes
-                run.write_error(stage, f"interrupted: {str(exc) or 'SIGINT (Ctrl-C)'}; the next run resumes this stage")
+            stop, _ = shutdown.stopped_by()
+            if isinstance(exc, KeyboardInterrupt) or stop is not None:  # asked to stop: the next run resumes
+                why = str(stop or exc) or "SIGINT (Ctrl-C)"
+                run.write_error(stage, f"interrupted: {why}; the next run resumes this stage")
             else:
                 run.write_error(stage, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}")
             _record_invocation(run, stage, "failed")

@@ -2,8 +2,8 @@
 inside a stage, or by its Prefect server dying, then resumed to the end.
 
 One run directory goes through the chain (each step a new ``nectar run`` in its own session): a
-double Ctrl-C to the process group inside verify, SIGINT to the process alone inside targets, SIGTERM
-inside evaluate, the temporary Prefect server SIGKILLed inside evaluate, then a run to the end. After
+double Ctrl-C to the process group inside verify, the temporary Prefect server SIGKILLed inside
+targets, SIGTERM inside evaluate, SIGINT to the process alone inside evaluate, then a run to the end. After
 each stop: the exit status, the one line (the stage, the resume command), the stop time, no process
 left (the group and every process it had started), the lock released, the stage not complete. The
 last run must report cached only what was complete and end with the same stage digests as the
@@ -129,14 +129,18 @@ def test_signals_and_a_dying_server_stop_the_run_and_it_resumes(run_copy, comple
     assert "interrupted" in line and "during verify" in line and resume in line, line
     _interrupted_inside(run_copy, "verify")
 
-    # SIGINT to the process alone inside targets; verify resumes (done, not cached).
+    # The temporary Prefect server killed inside targets: one line, exit 1, nothing left; verify resumed
+    # (done, not cached).
     runs.append(run := Run(run_copy, tmp_path))
     children = run.wait_inside("targets")
     assert last_invocation(RunDir(run_copy), "verify")["status"] == "done"
+    (server,) = [c for c in children if "uvicorn" in " ".join(c.cmdline())]
     t0 = time.monotonic()
-    run.proc.send_signal(signal.SIGINT)
-    times["SIGINT process, targets"], line = _stopped(run, children, t0, 130)
-    assert line == f"interrupted by SIGINT (Ctrl-C) during targets; {resume}"
+    server.kill()
+    times["server SIGKILL, targets"], line = _stopped(run, children, t0, 1)
+    assert line.startswith(f"error: the temporary Prefect server (pid {server.pid}) was killed by SIGKILL "
+                           "during targets; the run stopped"), line
+    assert line.endswith(resume), line
     _interrupted_inside(run_copy, "targets")
 
     # SIGTERM (timeout, systemd, docker stop) inside evaluate.
@@ -148,16 +152,13 @@ def test_signals_and_a_dying_server_stop_the_run_and_it_resumes(run_copy, comple
     assert line == f"interrupted by SIGTERM during evaluate; {resume}"
     _interrupted_inside(run_copy, "evaluate")
 
-    # The temporary Prefect server killed inside evaluate: one line, exit 1, nothing left.
+    # SIGINT to the process alone inside evaluate.
     runs.append(run := Run(run_copy, tmp_path))
     children = run.wait_inside("evaluate")
-    (server,) = [c for c in children if "uvicorn" in " ".join(c.cmdline())]
     t0 = time.monotonic()
-    server.kill()
-    times["server SIGKILL, evaluate"], line = _stopped(run, children, t0, 1)
-    assert line.startswith(f"error: the temporary Prefect server (pid {server.pid}) was killed by SIGKILL "
-                           "during evaluate; the run stopped"), line
-    assert line.endswith(resume), line
+    run.proc.send_signal(signal.SIGINT)
+    times["SIGINT process, evaluate"], line = _stopped(run, children, t0, 130)
+    assert line == f"interrupted by SIGINT (Ctrl-C) during evaluate; {resume}"
     _interrupted_inside(run_copy, "evaluate")
 
     # To the end: only what was complete is cached, and the result is the uninterrupted run's.
