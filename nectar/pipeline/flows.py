@@ -17,7 +17,8 @@ from prefect.artifacts import create_markdown_artifact, create_progress_artifact
     update_progress_artifact
 from prefect.runtime import flow_run
 
-from .. import orchestration
+from .. import comparison, orchestration
+from ..comparison import sweep
 from ..orchestration.readers import write_json
 from ..orchestration.executor import StageError, record_failure
 from .gpu_slots import doc_slot, gpu_slot
@@ -181,8 +182,6 @@ def nectar_sweep(
     regime: str | None = None,
 ) -> dict[str, Any]:
     """Data stages once, then train + evaluate for every grid variant; one comparison table."""
-    from ..comparison import sweep
-
     config = load_config(preset, config_file, regime, overrides or [])
     variants = sweep.with_base(config, sweep.expand_variants(config, sweep.parse_grid(grid)))
     checked = orchestration.check_run(document, config, run_dir)
@@ -216,8 +215,6 @@ def nectar_compare(run_dir: str, rhos: list[float] | None = None, systems: list[
     """Every system at equal bytes on one run (``nectar compare``): the train stages of what is
     missing run as subflows (cache hits when trained before), then one scoring pass; the table and
     the frontier figure are published as artifacts."""
-    from .. import comparison
-
     ctx = comparison.open_for_compare(run_dir)
     ctx.progress = _prefect_progress(ctx.doc_id)
     with tags("nectar", f"doc:{ctx.doc_id}", "compare"):
