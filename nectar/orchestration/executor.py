@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import fsspec
 
-from .. import __version__, integrity
+from .. import __version__, integrity, shutdown
 from ..schemas.artifacts import StageManifest
 from ..schemas.base import FrozenConfig, stable_hash
 from ..schemas.config import STAGES
@@ -175,6 +175,23 @@ def run_stage(
     repair: Repair | None = None,
     notify: Callable[[str], None] = _stderr,
 ) -> StageOutcome:
+    """Run ``body(stage_url)`` unless the stage is complete (``_run_stage``), naming the stage as the
+    one running (``shutdown.doing``: a stop during it says so)."""
+    with shutdown.doing(stage):
+        return _run_stage(run, stage, config, inputs, body, force, code, repair, notify)
+
+
+def _run_stage(
+    run: RunDir,
+    stage: str,
+    config: FrozenConfig | dict[str, Any],
+    inputs: dict[str, str],
+    body: Callable[[str], StageResult],
+    force: bool = False,
+    code: str | None = None,
+    repair: Repair | None = None,
+    notify: Callable[[str], None] = _stderr,
+) -> StageOutcome:
     """Run ``body(stage_url)`` unless a manifest with the same cache key exists AND the outputs on
     disk still match the digests it recorded.
 
@@ -216,7 +233,12 @@ def run_stage(
         digests = integrity.digest_outputs(fs, path, files, written)
     except BaseException as exc:
         try:
-            run.write_error(stage, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}")
+            stop, _ = shutdown.stopped_by()
+            if isinstance(exc, KeyboardInterrupt) or stop is not None:  # asked to stop: the next run resumes
+                why = str(stop or exc) or "SIGINT (Ctrl-C)"
+                run.write_error(stage, f"interrupted: {why}; the next run resumes this stage")
+            else:
+                run.write_error(stage, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}")
             _record_invocation(run, stage, "failed")
         except OSError as record_exc:  # e.g. the disk that made the stage fail is full: report the stage's error
             notify(f"{stage}: could not record the failure in {run.url(stage)} ({record_exc})")

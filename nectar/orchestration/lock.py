@@ -33,6 +33,7 @@ from typing import Callable, Iterator
 
 import fsspec
 
+from .. import shutdown
 from ..storage import canonical
 
 LOCK_FILE = "run.lock"
@@ -159,9 +160,10 @@ class _Held:
             except OSError:
                 pass
 
-    def release(self) -> None:
+    def release(self, wait: bool = True) -> None:
         self.stop.set()
-        self.thread.join(timeout=5)
+        if wait:
+            self.thread.join(timeout=5)
         current = read_holder_at(self.fs, self.path)
         if current is not None and current.token == self.holder.token:
             self.fs.rm(self.path)
@@ -215,6 +217,8 @@ def run_lock(root: str, wait: bool = True, notify: Notify | None = None, poll_s:
     held = _Held(root, fs, path, me)
     with _HELD_LOCK:
         _HELD[key] = held
+    # A process forced to exit (a stop that did not unwind in time) still releases the lock.
+    on_exit = shutdown.register(lambda fast: held.release(wait=not fast), f"run lock {root}")
     try:
         yield me
     finally:
@@ -225,3 +229,4 @@ def run_lock(root: str, wait: bool = True, notify: Notify | None = None, poll_s:
                 del _HELD[key]
         if done:
             held.release()
+            on_exit.remove()

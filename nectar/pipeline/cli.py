@@ -6,15 +6,19 @@ import sys
 
 # Threads that spin-wait for work cost ~10x when other processes share the cores; set before torch.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-from typing import NoReturn, Optional
+from contextlib import contextmanager
+from typing import Iterator, NoReturn, Optional
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
+from .. import shutdown
 from ..schemas.config import STAGES
 from . import deploy as ops
 from . import operations
+from .errors import OrchestratorUnreachable, interrupted_line, reported, resume_command
+from .prefect_api import check_environment_url
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="NECTAR: per-document modules that replace attention over a long document's KV cache.")
@@ -69,10 +73,8 @@ def run(
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks and Prefect's own logs."),
 ) -> None:
     """Run the pipeline for one document."""
-    from .errors import reported
-
     _quiet_prefect(debug)
-    with reported(debug, _error_line):
+    with _stoppable(debug) as resume:
         # Everything a user can get wrong is checked here, before Prefect starts.
         from ..orchestration import check_inputs_done, check_request, plan_stages, run_lock
         from ..schemas.presets import load_config
@@ -82,7 +84,10 @@ def run(
         checked = check_request(document, cfg, run_dir, only_stage)
         if only_stage:
             check_inputs_done(checked.run, only_stage, checked.info.source_uri)
-        with run_lock(checked.run.root, wait=not no_wait, notify=_notice):
+        resume.root = checked.run.root
+        from .prefect_api import prefect_api  # after _quiet_prefect: Prefect reads its settings on import
+
+        with prefect_api(), run_lock(checked.run.root, wait=not no_wait, notify=_notice):
             from . import flows
 
             flows.CONSOLE_PROGRESS, flows.CONSOLE_NOTICE = _tqdm_progress, _notice
@@ -90,8 +95,33 @@ def run(
                 document=document or checked.info.source_uri, preset=preset, config_file=config,
                 overrides=list(set_), run_dir=checked.run.root, from_stage=from_stage, only_stage=only_stage,
                 force=force, regime=regime)
-    _print_status(result["run_dir"])
-    typer.echo(result["run_dir"])
+        _print_status(result["run_dir"])  # reads every output byte: Ctrl-C stops it too
+        typer.echo(result["run_dir"])
+
+
+class _Resume:
+    """The command that resumes this one (the same arguments, naming the run directory once known)."""
+
+    root: str | None = None
+
+    def __call__(self) -> str:
+        return resume_command(sys.argv[1:], self.root)
+
+
+@contextmanager
+def _stoppable(debug: bool) -> Iterator[_Resume]:
+    """SIGINT / SIGTERM stop the command with one line naming the stage and the resume command
+    (nectar/shutdown.py); every other failure is one line too (errors.py)."""
+    resume = _Resume()
+    try:
+        with shutdown.handling_signals(forced_line=lambda stop, stage: interrupted_line(stop, resume())[0]), \
+                reported(debug, _error_line, resume):
+            check_environment_url()  # a server that is not there: one line in seconds, before anything loads
+            yield resume
+    except typer.Exit as done:
+        if shutdown.stopped_by()[0] is not None:
+            shutdown.exit_now(done.exit_code)  # the line is printed: stop the children and go
+        raise
 
 
 def _notice(message: str) -> None:
@@ -101,6 +131,11 @@ def _notice(message: str) -> None:
 def _error_line(message: str) -> None:
     from rich.text import Text
 
+    if not message.startswith("error: "):  # an interrupted run: not an error
+        if console.is_terminal:
+            console.print()  # below a progress bar the signal cut short
+        console.print(Text(message, style="yellow"), highlight=False, soft_wrap=True)
+        return
     console.print(Text("error: ", style="red") + Text(message[len("error: "):]), highlight=False, soft_wrap=True)
 
 
@@ -118,10 +153,8 @@ def sweep(
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks and Prefect's own logs."),
 ) -> None:
     """Train and evaluate every combination of a grid on one document; print one comparison table."""
-    from .errors import reported
-
     _quiet_prefect(debug)
-    with reported(debug, _error_line):
+    with _stoppable(debug) as resume:
         from ..orchestration import check_run, run_lock
         from ..schemas.presets import load_config
         from ..comparison.sweep import expand_variants, parse_grid
@@ -129,14 +162,17 @@ def sweep(
         cfg = load_config(preset, config, None, set_)
         expand_variants(cfg, parse_grid(grid))
         checked = check_run(document, cfg, run_dir)  # the document and the run directory, before Prefect
-        with run_lock(checked.run.root, wait=not no_wait, notify=_notice):
+        resume.root = checked.run.root
+        from .prefect_api import prefect_api  # after _quiet_prefect: Prefect reads its settings on import
+
+        with prefect_api(), run_lock(checked.run.root, wait=not no_wait, notify=_notice):
             from . import flows
 
             flows.CONSOLE_PROGRESS, flows.CONSOLE_NOTICE = _tqdm_progress, _notice
             result = flows.nectar_sweep(document=document, grid=list(grid), preset=preset, config_file=config,
                                         overrides=list(set_), run_dir=checked.run.root, force=force)
-    typer.echo(result["table"])
-    typer.echo(f"{result['run_dir']}/sweep/comparison.md")
+        typer.echo(result["table"])
+        typer.echo(f"{result['run_dir']}/sweep/comparison.md")
 
 
 @app.command()
@@ -158,26 +194,35 @@ def compare(
     """Every system at equal bytes on the run's held-out pairs: trains what is missing, writes
     RUN_DIR/compare/comparison.{parquet,md} and frontier.png."""
     _quiet_prefect()
-    from ..comparison import CompareInputError, open_for_compare, parse_bytes, parse_rhos, validate
-    from . import flows
+    with _stoppable(False) as resume:
+        resume.root = run_dir
+        from ..comparison import CompareInputError, open_for_compare, parse_bytes, parse_rhos, validate
 
-    names = [s.strip() for s in systems.split(",") if s.strip()] if systems else None
-    try:  # fail fast, before Prefect starts or anything trains
-        ctx = open_for_compare(run_dir)
-        rhos = list(dict.fromkeys(parse_rhos(rho) + parse_bytes(bytes_, ctx.config.model.dtype)))
-        validate(ctx, names, rhos)
-    except CompareInputError as exc:
-        console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
-        raise typer.Exit(2)
-    flows.CONSOLE_PROGRESS = _tqdm_progress
-    try:
-        result = flows.nectar_compare(run_dir=run_dir, rhos=rhos or None, systems=names)
-    except Exception as exc:  # a train stage failed: its error.json is in its run dir; trained ones are cached
-        console.print(f"[red]error:[/red] {type(exc).__name__}: {exc}", soft_wrap=True)
-        console.print("Fix the cause and run the same command again: trained systems are cached.")
-        raise typer.Exit(1)
-    typer.echo(result["table"])
-    typer.echo(f"{result['run_dir'].rstrip('/')}/compare/comparison.md")
+        names = [s.strip() for s in systems.split(",") if s.strip()] if systems else None
+        try:  # fail fast, before Prefect starts or anything trains
+            ctx = open_for_compare(run_dir)
+            rhos = list(dict.fromkeys(parse_rhos(rho) + parse_bytes(bytes_, ctx.config.model.dtype)))
+            validate(ctx, names, rhos)
+        except CompareInputError as exc:
+            console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
+            raise typer.Exit(2)
+        from . import flows
+        from .prefect_api import prefect_api
+
+        flows.CONSOLE_PROGRESS = _tqdm_progress
+        try:
+            with prefect_api():
+                result = flows.nectar_compare(run_dir=run_dir, rhos=rhos or None, systems=names)
+        except OrchestratorUnreachable:
+            raise  # one line from _stoppable
+        except Exception as exc:  # a train stage failed: its error.json is in its run dir; trained ones are cached
+            if shutdown.stopped_by()[0] is not None:
+                raise  # the run was asked to stop: _stoppable's line
+            console.print(f"[red]error:[/red] {type(exc).__name__}: {exc}", soft_wrap=True)
+            console.print("Fix the cause and run the same command again: trained systems are cached.")
+            raise typer.Exit(1)
+        typer.echo(result["table"])
+        typer.echo(f"{result['run_dir'].rstrip('/')}/compare/comparison.md")
 
 
 @app.command()
@@ -255,6 +300,9 @@ def serve_cmd(
     except (FileNotFoundError, ModuleMismatch, ArtifactError, PortInUse) as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(1)
+    # Drained (SIGTERM or Ctrl-C): exit now; the interpreter's own finalization took ~9 s more on a busy
+    # machine (torch's native threads), which a container stop or a second Ctrl-C would cut short.
+    shutdown.exit_now(0)
 
 
 def _print_status(run_dir: str) -> None:

@@ -212,7 +212,7 @@ def test_keyboard_interrupt_is_recorded_too(run):
     with pytest.raises(KeyboardInterrupt):
         run_stage(run, "train", {}, INPUTS, Body(run, "train", fail=KeyboardInterrupt()))
     assert run.read_manifest("train") is None
-    assert run.read_error("train")["error"].startswith("KeyboardInterrupt")
+    assert run.read_error("train")["error"] == ("interrupted: SIGINT (Ctrl-C); the next run resumes this stage")
 
 
 def test_success_after_failure_clears_the_error(run):
