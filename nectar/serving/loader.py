@@ -1,19 +1,19 @@
-"""Load what a module answers with — for ``nectar serve`` and ``nectar ask`` alike: a run's base model,
-its trained module and its prompt layout.
-
-The run's train stage must have completed, and the module must
-have been trained for this base model (weights hash) and this document (sha256). The document text
-is tokenized (no forward pass) only to build the layout around the questions.
+"""Load one run's module with its base model — for ``nectar ask`` (the server opens its runs through
+``registry.py``, with the same checks: the train stage completed, the module trained for this base
+model (weights hash) and this document (sha256); the document text is tokenized, no forward pass,
+only to build the layout around the questions).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from ..layout import PromptLayout
-from ..models import BaseModel
+from ..models import BaseModel, load_base_model
 from ..modules.builder import NectarModule
+from ..modules.io import load_module
 from ..schemas.artifacts import ModuleSpec
 from .limits import GenerationDefaults
+from .registry import open_document, run_model_config
 
 
 @dataclass(frozen=True)
@@ -31,29 +31,9 @@ class ServedModule:
         return self.spec.n_context
 
 
-def default_name(run_dir: str, doc_id: str) -> str:
-    """``<doc-id>/<run-id>``: names the document and the configuration the module was trained with."""
-    return f"{doc_id}/{run_dir.rstrip('/').split('/')[-1]}"
-
-
 def load_served_module(run_dir: str, name: str | None = None) -> ServedModule:
-    from ..layout import build_layout
-    from ..models import load_base_model
-    from ..modules.io import ModuleMismatch, load_module
-    from ..orchestration import open_run
-
-    ctx = open_run(run_dir)
-    if not ctx.run.exists("train", "module.json"):
-        raise FileNotFoundError(f"{ctx.run.url('train')}: no trained module (run the pipeline through "
-                                "the train stage first)")
-    base = load_base_model(ctx.config.model)
-    module, spec = load_module(ctx.run.url("train"), base, ctx.info.sha256, device=base.device)
-    layout = build_layout(base.tokenizer, ctx.text)
-    if layout.n != spec.n_context:  # the module's positions would not be the document's length
-        raise ModuleMismatch(f"{ctx.run.url('train')}: module was trained for a {spec.n_context}-token "
-                             f"document, the run's document is {layout.n} tokens under this tokenizer")
-    ev = ctx.config.evaluate
-    return ServedModule(
-        name=name or default_name(ctx.run.root, ctx.info.doc_id), run_dir=ctx.run.root, base=base,
-        module=module, spec=spec, layout=layout,
-        defaults=GenerationDefaults(ev.max_new_tokens_other, ev.temperature, ev.top_p))
+    base = load_base_model(run_model_config(run_dir))
+    doc = open_document(run_dir, base.tokenizer, name)
+    module, spec = load_module(doc.module_url, base, doc.doc_sha256, device=base.device)
+    return ServedModule(name=doc.name, run_dir=doc.run_dir, base=base, module=module, spec=spec,
+                        layout=doc.layout, defaults=doc.defaults)
