@@ -1,12 +1,13 @@
 """Running the pipeline's stages on a run directory — the logic the Prefect flows and the CLI wrap.
 
 No Prefect import here. The parts:
+  executor.py run directories, stage manifests and cache-keyed stage execution (``run_stage``)
   context.py  the run directory's lifecycle: check (the document, the window, the directory's owner),
               prepare (write run.json) and reopen
   lock.py     one writer per run directory
   lineage.py  the code a stage runs, as a digest for its cache key
   stages.py   stage wiring: each ``run_<stage>`` resolves its inputs from upstream manifests, builds
-              the stage's cache key and calls the pure stage function through ``runs.run_stage``
+              the stage's cache key and calls the pure stage function through ``executor.run_stage``
   readers.py  what dashboards read back from a run (sample rows, evaluation tables)
 """
 from .context import (CheckedRun, RunContext, RunDirMismatch, StageInputError, check_request, check_run,

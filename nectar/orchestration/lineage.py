@@ -22,7 +22,7 @@ from typing import Callable, Iterable
 
 PACKAGE = "nectar"
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
-PLUMBING = ("nectar.runs", "nectar.storage", "nectar.integrity", "nectar.orchestration", "nectar.pipeline",
+PLUMBING = ("nectar.storage", "nectar.integrity", "nectar.orchestration", "nectar.pipeline",
             # configuration enters cache keys by value (every field, defaults included), not by code
             "nectar.schemas.config", "nectar.schemas.presets")
 DATA_SUFFIXES = (".txt", ".json", ".yaml", ".yml", ".jinja", ".j2")

@@ -29,7 +29,7 @@ DOC2 = ("The orchard at Kessel Farm was planted in 1902 by the brothers Anton an
 
 def build_served_run(root: Path, text: str = DOC) -> str:
     from nectar import orchestration
-    from nectar.runs import run_stage
+    from nectar.orchestration.executor import run_stage
     from nectar.schemas import DatasetRow, load_config
     from nectar.tables import write_table
 
