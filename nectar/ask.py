@@ -68,17 +68,18 @@ def answer(base: BaseModel, module: NectarModule, layout: PromptLayout, n_contex
     return Answer(detok.text(), tokens, n_context)
 
 
-def ask(run_dir: str, question: str, stream: TextCallback | None = None, *,
+def ask(run, question: str, stream: TextCallback | None = None, *,
         max_new_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
         seed: int = 0) -> Answer:
     """Load the run's base model and trained module and answer ``question``, streaming text.
 
+    ``run``: a ``serving.registry.ServedRun`` (``orchestration.served_runs.open_served_run(run_dir)``).
     Generation defaults are the run's evaluation settings (nucleus p, temperature, the non-QA
     token limit); the module is checked against the run's model and document before use.
     """
     from .serving.loader import load_served_module  # the server's loader: the same checks
 
-    served = load_served_module(run_dir)
+    served = load_served_module(run)
     base, module, layout, spec, ev = served.base, served.module, served.layout, served.spec, served.defaults
     return answer(base, module, layout, spec.n_context, question, stream,
                   max_new_tokens if max_new_tokens is not None else ev.max_tokens,

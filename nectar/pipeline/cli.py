@@ -201,10 +201,11 @@ def ask(
 ) -> None:
     """Answer a question from the trained module, without the document in the context (streams)."""
     from ..ask import ask as ask_module
+    from ..orchestration.served_runs import open_served_run
     from .errors import reported
 
     with reported(debug, _error_line):
-        ask_module(run_dir, question, stream=lambda text: (sys.stdout.write(text), sys.stdout.flush()),
+        ask_module(open_served_run(run_dir), question, stream=lambda text: (sys.stdout.write(text), sys.stdout.flush()),
                    max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
     sys.stdout.write("\n")
 
@@ -237,9 +238,10 @@ def serve_cmd(
     from pydantic import ValidationError
 
     from ..modules.io import ModuleMismatch
+    from ..orchestration.served_runs import open_served_runs
     from ..serving.limits import ServeLimits
     from ..serving.registry import ServedRunsError
-    from ..serving.runner import PortInUse, Unauthenticated, api_keys, serve
+    from ..serving.runner import PortInUse, Unauthenticated, api_keys, bind, check_exposure, serve
     from ..tables import ArtifactError
 
     try:
@@ -253,7 +255,11 @@ def serve_cmd(
         console.print(f"[red]error:[/red] --{flag.replace('_', '-')}: {err['msg']}")
         raise typer.Exit(2)
     try:
-        serve(run_dirs, host, port, limits, served_name or None, api_keys(api_key), allow_unauthenticated)
+        keys = api_keys(api_key)
+        check_exposure(host, keys, allow_unauthenticated)  # before anything loads
+        sock = bind(host, port)  # a port in use fails in a second, not after the model loads
+        with sock:
+            serve(open_served_runs(run_dirs), sock, limits, served_name or None, keys)
     except (FileNotFoundError, ModuleMismatch, ArtifactError, PortInUse, Unauthenticated, ServedRunsError) as exc:
         console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
         raise typer.Exit(1)

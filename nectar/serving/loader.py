@@ -1,4 +1,4 @@
-"""Load one run's module with its base model — for ``nectar ask`` (the server opens its runs through
+"""Load one run's module with its base model — for ``nectar ask`` (the server loads its modules through
 ``registry.py``, with the same checks: the train stage completed, the module trained for this base
 model (weights hash) and this document (sha256); the document text is tokenized, no forward pass,
 only to build the layout around the questions).
@@ -13,7 +13,7 @@ from ..modules.builder import NectarModule
 from ..modules.io import load_module
 from ..schemas.artifacts import ModuleSpec
 from .limits import GenerationDefaults
-from .registry import open_document, run_model_config
+from .registry import ServedRun, open_document
 
 
 @dataclass(frozen=True)
@@ -31,9 +31,9 @@ class ServedModule:
         return self.spec.n_context
 
 
-def load_served_module(run_dir: str, name: str | None = None) -> ServedModule:
-    base = load_base_model(run_model_config(run_dir))
-    doc = open_document(run_dir, base.tokenizer, name)
+def load_served_module(run: ServedRun, name: str | None = None) -> ServedModule:
+    base = load_base_model(run.model)
+    doc = open_document(run, base.tokenizer, name)
     module, spec = load_module(doc.module_url, base, doc.doc_sha256, device=base.device)
     return ServedModule(name=doc.name, run_dir=doc.run_dir, base=base, module=module, spec=spec,
                         layout=doc.layout, defaults=doc.defaults)

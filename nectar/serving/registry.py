@@ -12,13 +12,11 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from pathlib import Path
 
 from ..layout import PromptLayout, build_layout
 from ..models import BaseModel, load_base_model
 from ..modules.io import ModuleMismatch, load_module, read_spec
 from ..modules.provider import FusedModuleDocState, inference_provider
-from ..orchestration import open_run
 from ..schemas.artifacts import ModuleSpec
 from ..schemas.config import ModelConfig
 from .limits import GenerationDefaults
@@ -33,6 +31,19 @@ class ServedRunsError(ValueError):
 
 class BaseModelDiffers(ServedRunsError):
     """Two runs given to one server were trained on different base models."""
+
+
+@dataclass(frozen=True)
+class ServedRun:
+    """What the server needs of a run (``orchestration.served_runs`` reads it from the run directory)."""
+
+    run_dir: str
+    doc_id: str
+    doc_sha256: str
+    text: str  # the document (tokenized for the prompt layout only)
+    model: ModelConfig
+    module_url: str  # the train stage's directory
+    defaults: GenerationDefaults  # the run's evaluation settings, where a request leaves a field out
 
 
 @dataclass(frozen=True)
@@ -58,44 +69,16 @@ def default_name(run_dir: str, doc_id: str) -> str:
     return f"{doc_id}/{run_dir.rstrip('/').split('/')[-1]}"
 
 
-def open_document(run_dir: str, tokenizer, name: str | None = None) -> ServedDocument:
-    """A run whose train stage completed, its module's spec checked against its document."""
-    ctx = open_run(run_dir)
-    if not ctx.run.exists("train", "module.json"):
-        raise FileNotFoundError(f"{ctx.run.url('train')}: no trained module (run the pipeline through "
-                                "the train stage first)")
-    spec = read_spec(ctx.run.url("train"))
-    layout = build_layout(tokenizer, ctx.text)
+def open_document(run: ServedRun, tokenizer, name: str | None = None) -> ServedDocument:
+    """The run's module spec, checked against its document's length under this tokenizer."""
+    spec = read_spec(run.module_url)
+    layout = build_layout(tokenizer, run.text)
     if layout.n != spec.n_context:  # the module's positions would not be the document's length
-        raise ModuleMismatch(f"{ctx.run.url('train')}: module was trained for a {spec.n_context}-token "
+        raise ModuleMismatch(f"{run.module_url}: module was trained for a {spec.n_context}-token "
                              f"document, the run's document is {layout.n} tokens under this tokenizer")
-    ev = ctx.config.evaluate
-    return ServedDocument(
-        name=name or default_name(ctx.run.root, ctx.info.doc_id), run_dir=ctx.run.root,
-        module_url=ctx.run.url("train"), doc_sha256=ctx.info.sha256, spec=spec, layout=layout,
-        defaults=GenerationDefaults(ev.max_new_tokens_other, ev.temperature, ev.top_p), model=ctx.config.model)
-
-
-def run_model_config(run_dir: str) -> ModelConfig:
-    return open_run(run_dir).config.model
-
-
-def expand_run_dirs(paths: list[str]) -> list[str]:
-    """Run directories as given; a directory that is not a run stands for the trained runs under it
-    (``runs/`` or ``runs/<doc-id>/``, as ``nectar run`` lays them out)."""
-    found: list[str] = []
-    for p in paths:
-        root = Path(p)
-        if (root / "run.json").exists() or not root.is_dir():
-            found.append(p)  # a run (open_run explains what is wrong with a path that is not)
-            continue
-        runs = sorted({str(m.parent.parent) for pattern in ("*/train/module.json", "*/*/train/module.json")
-                       for m in root.glob(pattern) if (m.parent.parent / "run.json").exists()})
-        if not runs:
-            raise FileNotFoundError(f"{p}: neither a run directory (no run.json) nor a directory of trained "
-                                    "runs (no */train/module.json or */*/train/module.json under it)")
-        found.extend(runs)
-    return found
+    return ServedDocument(name=name or default_name(run.run_dir, run.doc_id), run_dir=run.run_dir,
+                          module_url=run.module_url, doc_sha256=run.doc_sha256, spec=spec, layout=layout,
+                          defaults=run.defaults, model=run.model)
 
 
 def same_model(a: ModelConfig, b: ModelConfig) -> bool:
@@ -149,25 +132,24 @@ class ModuleRegistry:
         return sum(self.documents[n].spec.module_bytes for n in self._loaded)
 
 
-def open_registry(run_dirs: list[str], names: list[str] | None, max_module_bytes: int) -> ModuleRegistry:
-    """Open every run (no weights), refuse a second base model or a repeated model id, load the base."""
-    runs = expand_run_dirs(run_dirs)
+def open_registry(runs: list[ServedRun], names: list[str] | None, max_module_bytes: int) -> ModuleRegistry:
+    """Check the runs (one base model, distinct model ids), load the base model, read the specs."""
     if names and len(names) != len(runs):
         raise ServedRunsError(f"--served-name given {len(names)} times for {len(runs)} runs; give one per run "
-                         "(in the order of the runs) or none")
-    models = [run_model_config(r) for r in runs]
-    for run, model in zip(runs[1:], models[1:]):
-        if not same_model(model, models[0]):
-            raise BaseModelDiffers(f"{run}: base model {model.name!r} ({model.dtype}) differs from "
-                                   f"{models[0].name!r} ({models[0].dtype}) of {runs[0]}; one server holds one "
-                                   "base model: serve this run from another nectar serve")
-    base = load_base_model(models[0])
+                              "(in the order of the runs) or none")
+    first = runs[0]
+    for run in runs[1:]:
+        if not same_model(run.model, first.model):
+            raise BaseModelDiffers(f"{run.run_dir}: base model {run.model.name!r} ({run.model.dtype}) differs from "
+                                   f"{first.model.name!r} ({first.model.dtype}) of {first.run_dir}; one server holds "
+                                   "one base model: serve this run from another nectar serve")
+    base = load_base_model(first.model)
     documents = [open_document(r, base.tokenizer, names[i] if names else None) for i, r in enumerate(runs)]
     seen: dict[str, str] = {}
     for d in documents:
         if d.name in seen:
-            raise ServedRunsError(f"{d.run_dir} and {seen[d.name]} would both be served as {d.name!r}; give each "
-                             "run its own --served-name")
+            raise ServedRunsError(f"{d.run_dir} and {seen[d.name]} would both be served as {d.name!r}; give "
+                                  "each run its own --served-name")
         seen[d.name] = d.run_dir
         if d.spec.base_model_hash != base.weights_hash:
             raise ModuleMismatch(f"{d.module_url}: module was trained for base model {d.spec.base_model!r} "

@@ -19,7 +19,7 @@ import uvicorn
 
 from .app import create_app
 from .limits import ServeLimits
-from .registry import open_registry
+from .registry import ServedRun, open_registry
 
 KEY_ENV = "NECTAR_API_KEY"  # one key, or several separated by commas
 
@@ -81,13 +81,12 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def serve(run_dirs: list[str], host: str = "127.0.0.1", port: int = 8000, limits: ServeLimits | None = None,
-          names: list[str] | None = None, keys: tuple[str, ...] = (), allow_unauthenticated: bool = False,
-          log_level: str = "info") -> None:
+def serve(runs: list[ServedRun], sock: socket.socket, limits: ServeLimits | None = None,
+          names: list[str] | None = None, keys: tuple[str, ...] = (), log_level: str = "info") -> None:
+    """Serve ``runs`` on ``sock`` (``bind``; the caller has applied ``check_exposure`` to its host)."""
     limits = limits or ServeLimits()
-    check_exposure(host, keys, allow_unauthenticated)
-    sock = bind(host, port)
-    registry = open_registry(run_dirs, names, limits.max_module_bytes)
+    host = sock.getsockname()[0]
+    registry = open_registry(runs, names, limits.max_module_bytes)
     app = create_app(registry, limits, keys)
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=int(limits.shutdown_timeout_s),
                             timeout_keep_alive=5)
