@@ -27,12 +27,13 @@ from ..modules.budget import BudgetError
 from ..modules.builder import ModulePlan, plan_from_config
 from ..orchestration.context import RunContext, StageInputError, load_base, load_run_doc_kv, open_run
 from ..orchestration.executor import RunDir, now
+from ..orchestration.runners import run_targets, run_train
 from ..schemas.artifacts import ComparisonRow, RunManifest, TargetsPairRow
 from ..schemas.config import PipelineConfig
 from ..schemas.presets import ConfigError
 from ..storage import atomic_write
 from ..tables import ArtifactError, read_json_artifact, read_table, write_table
-from ..targets.store import open_targets
+from ..targets.store import open_targets, targets_zarr_url
 from .systems import System, resolve, trained_config
 
 ProgressFactory = Callable[[str], Callable[[int, int], None]]
@@ -98,8 +99,6 @@ def refresh_targets(ctx: RunContext, stage_runner: Callable[[RunContext, str], A
     if stage_runner is not None:
         stage_runner(ctx, "targets")
     else:
-        from ..orchestration.stages import run_targets
-
         run_targets(ctx, False)
 
 
@@ -117,7 +116,7 @@ def open_for_compare(run_dir: str, progress: ProgressFactory | None = None) -> R
 
 
 def _dims(ctx: RunContext) -> dict[str, Any]:
-    _, h = open_targets(ctx.stage_run("targets").url("targets", "targets.zarr"))
+    _, h = open_targets(targets_zarr_url(ctx.stage_run("targets").url("targets")))
     return dict(num_layers=h.num_layers, num_kv_heads=h.num_kv_heads, head_dim=h.head_dim, n_context=h.n_context,
                 scaling=h.scaling)
 
@@ -257,7 +256,7 @@ def score_and_write(ctx: RunContext, jobs: list[Job], progress: ProgressFactory 
         fit_bar(i + 1, len(jobs))
     timings["load_and_fit_s"] = time.perf_counter() - t0
     targets = ctx.stage_run("targets").url("targets")
-    g, _ = open_targets(f"{targets}/targets.zarr")
+    g, _ = open_targets(targets_zarr_url(targets))
     target_rows = read_table(f"{targets}/pairs.parquet", TargetsPairRow)
     sel = select_pairs(target_rows, g["token_ids"][:], cfg, evaluated_splits(target_rows, cfg))
     providers = {"full": obtained["full"].provider if "full" in obtained else ExactDocState(doc_kv), "none": None,
@@ -317,8 +316,6 @@ def compare(ctx: RunContext, systems: list[str] | None = None, rhos: list[float]
             train_stage: TrainStage | None = None, progress: ProgressFactory | None = None) -> CompareResult:
     """Plan, train what is missing, score and write (the Prefect flow runs the same steps with the
     train stage as a subflow)."""
-    from ..orchestration.stages import run_train
-
     check_ready(ctx)
     refresh_targets(ctx)
     jobs = plan_jobs(ctx, systems, rhos)

@@ -173,7 +173,7 @@ def _context_tokens(config: PipelineConfig, text: str) -> int:
 
 
 def load_base(config: PipelineConfig):
-    from ..models import load_base_model
+    from ..base_model import load_base_model
 
     return load_base_model(config.model)
 

@@ -1,6 +1,6 @@
 """The code a stage runs, as a digest for its cache key.
 
-A stage's code is its runner (``run_<stage>`` in stages.py) and every ``nectar`` module reachable
+A stage's code is its runner (``run_<stage>`` in runners.py) and every ``nectar`` module reachable
 from the imports inside it (the stage module, the model code, the attention capture, the prompts
 folder's text files, …), found by reading the import statements — lazy ones inside functions too.
 The digest covers each module's syntax tree without docstrings, so a comment, a docstring or a

@@ -14,6 +14,7 @@ from rich.table import Table
 
 from ..schemas.config import STAGES
 from . import deploy as ops
+from . import operations
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="NECTAR: per-document modules that replace attention over a long document's KV cache.")
@@ -200,12 +201,11 @@ def ask(
     debug: bool = typer.Option(False, "--debug", help="Show the traceback of an error."),
 ) -> None:
     """Answer a question from the trained module, without the document in the context (streams)."""
-    from ..ask import ask as ask_module
-    from ..orchestration.served_runs import open_served_run
+    from ..serving.ask import ask as ask_module
     from .errors import reported
 
     with reported(debug, _error_line):
-        ask_module(open_served_run(run_dir), question, stream=lambda text: (sys.stdout.write(text), sys.stdout.flush()),
+        ask_module(run_dir, question, stream=lambda text: (sys.stdout.write(text), sys.stdout.flush()),
                    max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
     sys.stdout.write("\n")
 
@@ -238,7 +238,7 @@ def serve_cmd(
     from pydantic import ValidationError
 
     from ..modules.io import ModuleMismatch
-    from ..orchestration.served_runs import open_served_runs
+    from ..serving.loader import open_served_runs
     from ..serving.limits import ServeLimits
     from ..serving.registry import ServedRunsError
     from ..serving.runner import PortInUse, Unauthenticated, api_keys, bind, check_exposure, serve
@@ -383,7 +383,7 @@ def trigger_cmd(
 ) -> None:
     """Start a pipeline run for a document through the Prefect server (a worker executes it)."""
     try:
-        _report(ops.trigger(document, preset, config, override, run_dir, from_stage, only_stage, force),
+        _report(operations.trigger(document, preset, config, override, run_dir, from_stage, only_stage, force),
                 wait, timeout)
     except Exception as exc:
         _fail(exc)
@@ -404,7 +404,7 @@ def rerun_cmd(
 
             typer.echo(nectar_stage(run_dir=run_dir, stage=stage, force=True))
             return
-        _report(ops.rerun_stage(run_dir, stage), wait, timeout)
+        _report(operations.rerun_stage(run_dir, stage), wait, timeout)
     except Exception as exc:
         _fail(exc)
 
@@ -417,7 +417,7 @@ def retry_cmd(
 ) -> None:
     """Retry a failed pipeline run with the same parameters (completed stages are skipped)."""
     try:
-        _report(ops.retry_flow_run(flow_run), wait, timeout)
+        _report(operations.retry_flow_run(flow_run), wait, timeout)
     except Exception as exc:
         _fail(exc)
 
@@ -428,7 +428,7 @@ def _report(flow_run, wait: bool, timeout: float) -> None:
         return
     from .server_status import summary_lines
 
-    done = ops.wait_for_run(flow_run.id, timeout)
+    done = operations.wait_for_run(flow_run.id, timeout)
     for line in summary_lines(done.id):
         typer.echo(f"  {line}")
     typer.echo(f"flow run {done.name}: {done.state.name}")

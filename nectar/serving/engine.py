@@ -19,14 +19,14 @@ import random
 from collections.abc import Callable
 
 from ..attention.engine import DecodeEngine, Request
-from ..models import BaseModel
+from ..base_model import BaseLM
 from .job import Job
 
 
 class ModuleEngine:
     """Decodes jobs with the base model plus each job's module (no document in context)."""
 
-    def __init__(self, base: BaseModel, provider=None, n_context: int = 0):
+    def __init__(self, base: BaseLM, provider=None, n_context: int = 0):
         self.base, self.n_context = base, n_context
         # end-of-sequence is the engine's (the model's eos ids): the row ends with finish "stop"
         self.engine = DecodeEngine(base, provider, n_context)

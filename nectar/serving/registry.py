@@ -14,7 +14,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from ..layout import PromptLayout, build_layout
-from ..models import BaseModel, load_base_model
+from ..base_model import BaseLM, load_base_model
 from ..modules.io import ModuleMismatch, load_module, read_spec
 from ..modules.provider import FusedModuleDocState, inference_provider
 from ..schemas.artifacts import ModuleSpec
@@ -35,7 +35,7 @@ class BaseModelDiffers(ServedRunsError):
 
 @dataclass(frozen=True)
 class ServedRun:
-    """What the server needs of a run (``orchestration.served_runs`` reads it from the run directory)."""
+    """What the server needs of a run (``loader.open_served_run`` reads it from the run directory)."""
 
     run_dir: str
     doc_id: str
@@ -89,7 +89,7 @@ class ModuleRegistry:
     """The base model, the served documents by model id, and their modules loaded on demand (LRU,
     bounded in bytes). Thread-safe: requests ask for providers from worker threads."""
 
-    def __init__(self, base: BaseModel, documents: list[ServedDocument], max_module_bytes: int):
+    def __init__(self, base: BaseLM, documents: list[ServedDocument], max_module_bytes: int):
         self.base, self.max_module_bytes = base, max_module_bytes
         self.documents = {d.name: d for d in documents}
         self._loaded: OrderedDict[str, FusedModuleDocState] = OrderedDict()

@@ -35,14 +35,16 @@ from ..evaluation.scoring import score_providers
 from ..evaluation.selection import EvaluateInputError, Selection, evaluated_splits, select_pairs
 from ..evaluation.teacher import head_errors
 from ..layout import PromptLayout
-from ..models import BaseModel
+from ..base_model import BaseLM
 from ..modules.builder import ModulePlan, NectarModule
 from ..modules.provider import ModuleDocState, inference_provider
 from ..schemas.artifacts import (ChunkRow, DatasetRow, GenerationRow, JudgmentRow, MetricsRow,
                                  ModuleSpec, TargetsPairRow, TrainLogRow)
 from ..schemas.config import EvaluateConfig
 from ..tables import read_table, write_table
-from ..targets.store import open_targets
+from ..targets.online import OnlineTargets
+from ..targets.reader import TargetsData
+from ..targets.store import open_targets, targets_zarr_url
 
 Progress = Callable[[str, int, int], None]  # (step, done, total)
 
@@ -59,14 +61,10 @@ def _metrics_rows(quality: dict[str, dict[str, SystemQuality]]) -> list[MetricsR
     return rows
 
 
-def _target_rows(targets_url: str, base: BaseModel, doc_kv: DocKV):
+def _target_rows(targets_url: str, base: BaseLM, doc_kv: DocKV):
     """The targets' (q, α, A) rows by token index: read (any storage dtype) or recomputed (online)."""
-    from ..training.data import TargetsData
-
-    data = TargetsData(f"{targets_url}/targets.zarr")
+    data = TargetsData(targets_zarr_url(targets_url))
     if data.online:
-        from ..targets.online import OnlineTargets
-
         data.attach_values(OnlineTargets(data, base, doc_kv))
     return data
 
@@ -110,7 +108,7 @@ def _benchmark(base, layout, cfg, plan, notes, progress) -> list[BenchmarkRow]:
 
 def evaluate(
     cfg: EvaluateConfig,
-    base: BaseModel,
+    base: BaseLM,
     layout: PromptLayout,
     doc_kv: DocKV,
     module: NectarModule,
@@ -133,7 +131,7 @@ def evaluate(
     ``nectar.evaluation.judge.make_chat(backend)`` for the configured judge backend.
     """
     step = progress or (lambda *_: None)
-    g, header = open_targets(f"{targets_url}/targets.zarr")
+    g, header = open_targets(targets_zarr_url(targets_url))
     if header.n_context != layout.n or doc_kv.n != layout.n:
         raise EvaluateInputError(
             f"the targets were cached for a document of {header.n_context} tokens and the document KV "

@@ -21,13 +21,13 @@ import torch
 from ..attention.doc_kv import DocKV
 from ..attention.exact import ExactDocState
 from ..layout import PromptLayout
-from ..models import BaseModel
+from ..base_model import BaseLM
 from ..schemas.artifacts import SPLIT_CODES, DatasetRow, TargetsHeader, TargetsPairRow
 from ..schemas.config import TargetsConfig
 from ..tables import write_table
 from ..targets.capture import capture_packed
 from ..targets.size import TargetsSize, check_budget
-from ..targets.store import create_targets, encode_values, open_targets
+from ..targets.store import create_targets, encode_values, open_targets, targets_zarr_url
 
 Progress = Callable[[int, int], None]
 
@@ -65,7 +65,7 @@ def plan_pairs(rows: list[DatasetRow], layout: PromptLayout, cfg: TargetsConfig)
 
 
 def build_targets(
-    base: BaseModel,
+    base: BaseLM,
     layout: PromptLayout,
     doc_kv: DocKV,
     rows: list[DatasetRow],
@@ -81,7 +81,7 @@ def build_targets(
         raise TargetsInputError("the dataset has no kept train/test pairs; nothing to cache (check verify)")
     check_budget(targets_size(planned, base, cfg), cfg.max_bytes)
     header = _header(base, layout, cfg, planned, doc_sha256)
-    zurl = f"{out_url}/targets.zarr"
+    zurl = targets_zarr_url(out_url)
     g = _open_or_create(zurl, header, cfg)
     written = int(g.attrs.get("written_tokens", 0))
     offsets = np.array([p.row.start for p in planned] + [header.n_tokens], dtype=np.int64)
@@ -104,7 +104,7 @@ def build_targets(
             **{f"pairs_{k}": v for k, v in header.split_pairs.items()}}
 
 
-def targets_size(planned: list[PlannedPair], base: BaseModel, cfg: TargetsConfig) -> TargetsSize:
+def targets_size(planned: list[PlannedPair], base: BaseLM, cfg: TargetsConfig) -> TargetsSize:
     """What the group for these pairs will take on disk (see nectar/targets/size.py)."""
     return TargetsSize(n_pairs=len(planned), n_tokens=sum(p.row.length for p in planned),
                        num_layers=base.num_layers, num_q_heads=base.num_q_heads, head_dim=base.head_dim,

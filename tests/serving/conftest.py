@@ -64,7 +64,7 @@ def second_run(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def registry(served_run):
-    from nectar.orchestration.served_runs import open_served_run
+    from nectar.serving.loader import open_served_run
     from nectar.serving.registry import open_registry
 
     return open_registry([open_served_run(served_run)], None, 2_000_000_000)
@@ -72,10 +72,10 @@ def registry(served_run):
 
 @pytest.fixture(scope="session")
 def served(served_run):
-    from nectar.orchestration.served_runs import open_served_run
+    from nectar.serving.loader import open_served_run
     from nectar.serving.loader import load_served_module
 
-    return load_served_module(open_served_run(served_run))
+    return load_served_module(served_run)
 
 
 @pytest.fixture(scope="module")

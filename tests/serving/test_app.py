@@ -9,8 +9,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from nectar.ask import ask
-from nectar.orchestration.served_runs import open_served_run
+from nectar.serving.ask import ask
 from nectar.serving.app import create_app
 from nectar.serving.limits import ServeLimits
 
@@ -50,7 +49,7 @@ def test_models_and_health(api, served):
 
 def test_greedy_answer_is_the_nectar_ask_answer(api, served, served_run):
     r = chat(api, served, max_tokens=16, temperature=0).json()
-    want = ask(open_served_run(served_run), Q, max_new_tokens=16, temperature=0.0)  # batch of one: the same computation
+    want = ask(served_run, Q, max_new_tokens=16, temperature=0.0)  # batch of one: the same computation
     assert r["choices"][0]["message"]["content"] == want.text
     assert r["usage"] == {"prompt_tokens": len(served.layout.prompt(Q).ids),
                           "completion_tokens": len(want.token_ids),
@@ -61,7 +60,7 @@ def test_greedy_answer_is_the_nectar_ask_answer(api, served, served_run):
 def test_seeded_sampling_repeats_and_is_the_nectar_ask_answer(api, served, served_run):
     a = chat(api, served, max_tokens=12, temperature=1.0, top_p=0.9, seed=5).json()
     b = chat(api, served, max_tokens=12, temperature=1.0, top_p=0.9, seed=5).json()
-    want = ask(open_served_run(served_run), Q, max_new_tokens=12, temperature=1.0, top_p=0.9, seed=5)
+    want = ask(served_run, Q, max_new_tokens=12, temperature=1.0, top_p=0.9, seed=5)
     assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"] == want.text
 
 

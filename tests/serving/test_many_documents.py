@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from nectar.orchestration.served_runs import expand_run_dirs, open_served_run
+from nectar.serving.loader import expand_run_dirs, open_served_run
 from nectar.serving.app import create_app
 from nectar.serving.engine import ModuleEngine
 from nectar.serving.job import Job, SamplingParams

@@ -4,8 +4,7 @@ answer is the full-context model's own greedy answer. ``ask`` works on a run dir
 import pytest
 import torch
 
-from nectar.ask import answer, ask
-from nectar.orchestration.served_runs import open_served_run
+from nectar.serving.ask import answer, ask
 from nectar.attention.doc_kv import prefill_document
 from nectar.attention.exact import ExactDocState
 from nectar.attention.engine import generate
@@ -66,10 +65,9 @@ def test_ask_on_a_run_directory_checks_the_document(tiny_llama, document, tmp_pa
     spec = make_spec(module, plan, tiny_llama.name, tiny_llama.weights_hash, ctx.info.sha256, tiny_llama.num_q_heads)
     save_module(module, spec, ctx.run.url("train"))
     streamed: list[str] = []
-    got = ask(open_served_run(ctx.run.root), "Who bought the island?", stream=streamed.append, max_new_tokens=6,
-              temperature=0.0)
+    got = ask(ctx.run.root, "Who bought the island?", stream=streamed.append, max_new_tokens=6, temperature=0.0)
     want = generate(tiny_llama, ExactDocState(kv), layout.n, [layout.prompt("Who bought the island?").ids], 6)
     assert got.token_ids == want.tokens[0] and "".join(streamed) == got.text
     save_module(module, spec.model_copy(update={"doc_sha256": "0" * 64}), ctx.run.url("train"))
     with pytest.raises(ModuleMismatch, match="document"):
-        ask(open_served_run(ctx.run.root), "Who?", max_new_tokens=2)
+        ask(ctx.run.root, "Who?", max_new_tokens=2)
