@@ -450,14 +450,16 @@ class _DocGroups:
         distinct = list({id(p): p for p in providers}.values())
         self.single = distinct[0] if len(distinct) == 1 else None
         self.groups: list[tuple[DocStateProvider, torch.Tensor]] = []
-        self.key: tuple = ()
+        # which providers read which rows: a CUDA graph of the step bakes both in (its captured
+        # kernels read these index tensors and the providers' weights), so it is part of the graph's key
+        self.key: tuple = (id(self.single),)
         if len(distinct) > 1:
             if any(p is None for p in distinct):
                 raise ValueError("a batch cannot mix rows with a document and rows without one")
             for p in distinct:
                 rows = [i for i, q in enumerate(providers) if q is p]
                 self.groups.append((p, torch.tensor(rows, dtype=torch.long, device=device)))
-            self.key = tuple(tuple(g.tolist()) for _, g in self.groups)  # the row split (CUDA graph key)
+            self.key = tuple((id(p), tuple(g.tolist())) for p, g in self.groups)
 
     def __call__(self, layer: int, q: torch.Tensor, scaling: float) -> AttnState | None:
         if not self.groups:
@@ -510,6 +512,7 @@ class _GraphedStep:
         with torch.cuda.graph(self.graph, pool=_GraphedStep._pool):
             batch._static_step()
         self._restore(state, saved, batch, length)  # capture records the step but does not run it
+        self.docs = batch.docs  # the graph reads its index tensors and providers: keep them (and their ids) alive
 
     @staticmethod
     def _restore(state, saved, batch, length) -> None:
