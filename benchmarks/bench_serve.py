@@ -276,6 +276,7 @@ async def run_load(url: str, targets: list[Target], clients: int, duration: floa
     await asyncio.gather(*(worker(t0 + duration) for _ in range(clients)))
     res.seconds = time.perf_counter() - t0
     res.rss_end = rss_mib(pid)
+    await client.close()  # inside the loop: its connections must not outlive it
     return res
 
 
