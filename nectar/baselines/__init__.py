@@ -1,4 +1,4 @@
-"""Equal-bytes baselines: what else could live in the bytes of a module of budget ρ (DESIGN.md §11).
+"""Equal-bytes baselines: what else could live in the bytes of a module of budget ρ (docs/design.md §11).
 
 Each is an exact-attention state over p stored (key, value) pairs per (layer, KV head) — optionally
 with a log-mass bias β per pair — which is exactly a quadrature module (``nectar.modules.quadrature``):
@@ -52,12 +52,7 @@ class FittedBaseline:
 
     @property
     def nbytes(self) -> int:
-        return module_nbytes(self.module)
-
-
-def module_nbytes(module: NectarModule) -> int:
-    """Bytes of everything a module stores (parameters and buffers), as ``make_spec`` counts them."""
-    return sum(t.numel() * t.element_size() for t in module.state_dict().values())
+        return self.module.nbytes()
 
 
 def baseline_plan(name: str, plan: ModulePlan) -> ModulePlan:

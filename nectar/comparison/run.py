@@ -34,6 +34,7 @@ from ..schemas.presets import ConfigError
 from ..storage import atomic_write
 from ..tables import ArtifactError, read_json_artifact, read_table, write_table
 from ..targets.store import open_targets, targets_zarr_url
+from .sweep import Variant, prepare_variant
 from .systems import System, resolve, trained_config
 
 ProgressFactory = Callable[[str], Callable[[int, int], None]]
@@ -169,8 +170,6 @@ def _same_training(a: PipelineConfig, b: PipelineConfig) -> bool:
 def variant_for(parent: RunContext, name: str, config: PipelineConfig) -> RunContext:
     """The run directory whose train stage trains ``config``: the parent itself, an existing variant
     with the same training settings, or a new variant directory (sharing the parent's data stages)."""
-    from .sweep import Variant, prepare_variant
-
     if _same_training(parent.config, config):
         return parent
     fs = parent.run.fs

@@ -305,7 +305,7 @@ def _print_comparison(run) -> None:
                     soft_wrap=True)
 
 
-# ----- operations against a Prefect server: deploy / schedule / trigger / rerun / retry (deploy.py) -----
+# ----- operations against a Prefect server: deploy / schedule / trigger / rerun / retry (deploy.py, operations.py) -----
 
 _OVERRIDE = typer.Option(None, "--override", "-o", help="section.key=value (repeatable)")
 

@@ -2,7 +2,7 @@
 
 The base model sees only the question's query tokens, at positions n, n+1, … (as if the n-token
 document preceded them); every attention layer blends the module's (A_θ, a_θ) with the local
-causal state over the question and the answer so far (DESIGN.md §2). No document KV is loaded:
+causal state over the question and the answer so far (docs/design.md §2). No document KV is loaded:
 memory is the base model plus the module and a local cache of the query tokens.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The evaluate stage (DESIGN.md §5, §11; paper §4.2–4.3, App. C, F, G). Pure Python, no Prefect.
+"""The evaluate stage (docs/design.md §5, §11; paper §4.2–4.3, App. C, F, G). Pure Python, no Prefect.
 
 On the held-out pairs of each split (``test``; ``challenge``: the test pairs least similar to any
 training instruction, App. E; and every further held-out split the targets hold, e.g. ``probes``),
