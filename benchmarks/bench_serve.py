@@ -181,12 +181,16 @@ def start_vllm(python: Path, model_dir: Path, threads: int, dtype: str, max_batc
     sock = bind("127.0.0.1", 0)
     port = sock.getsockname()[1]
     sock.close()
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_CPU_KVCACHE_SPACE": "1",
-           "VLLM_CPU_OMP_THREADS_BIND": "all", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-           "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}
+    # the settings nectar's managed vLLM server uses on CPU (nectar/llm/vllm_server.py on the vllm branch):
+    # no thread binding of vLLM's own (it pins to cores others use), no AOT compile artifacts (vllm-cpu
+    # 0.32 fails to load them), whole prefills
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_CPU_OMP_THREADS_BIND", "PYTHONPATH")}
+    env.update({"OMP_NUM_THREADS": str(threads), "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1",
+                "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "VLLM_USE_AOT_COMPILE": "0", "PYTHONUNBUFFERED": "1"})
     cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--served-model-name", "base", "--dtype", dtype, "--max-model-len", "8192", "--host", "127.0.0.1",
            "--port", str(port), "--max-num-seqs", str(max_batch), "--enable-prefix-caching", "--enforce-eager",
+           "--no-enable-chunked-prefill", "--max-num-batched-tokens", "8192",
            "--disable-uvicorn-access-log", "--api-key", API_KEY]
     return ServerProc("vllm", cmd, env, logs, ready_line=None, url=f"http://127.0.0.1:{port}/v1")
 
@@ -290,6 +294,30 @@ def print_rows(name: str, rows: list[dict]) -> None:
               f"{r['errors'] or '-'}", flush=True)
 
 
+def bench_nectar(args, runs: list[str], counts: list[int], logs: Path) -> list[dict]:
+    eng = engine_batching(runs[0], args.max_tokens, args.engine_batch, args.engine_rounds)
+    print(f"\nengine ({runs[0]}; {args.max_tokens} tokens per row, every row to its budget; median of "
+          f"{eng['rounds']} interleaved rounds): batch 1 {eng['batch1_tok_s']:.1f} tok/s, batch "
+          f"{args.engine_batch} {eng[f'batch{args.engine_batch}_tok_s']:.1f} tok/s: {eng['ratio']:.2f}x "
+          f"(rounds: {', '.join(f'{r:.2f}x' for r in eng['ratios'])})", flush=True)
+    import httpx
+
+    server = start_nectar(runs, args.threads, args.max_batch, args.max_tokens, logs)
+    rows = []
+    try:
+        ids = [m["id"] for m in httpx.get(f"{server.url}/models", headers={"Authorization": f"Bearer {API_KEY}"}
+                                          ).json()["data"]]
+        targets = [Target(i, None) for i in ids]
+        for c in counts:
+            rows.append(asyncio.run(run_load(server.url, targets, c, args.duration, args.max_requests,
+                                             args.max_tokens, server.proc.pid)).row())
+    finally:
+        code = server.stop()
+    print_rows(f"nectar serve: {len(ids)} documents ({', '.join(ids)}), --max-batch {args.max_batch}, "
+               f"exit status {code}", rows)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=["embedded", "tiny"], default="embedded")
@@ -307,6 +335,8 @@ def main() -> None:
     ap.add_argument("--vllm", choices=["auto", "on", "off"], default="auto",
                     help="auto: when the managed venv exists (and --model embedded)")
     ap.add_argument("--vllm-dtype", default="float32", help="float32 matches nectar serve's base model")
+    ap.add_argument("--skip-nectar", action="store_true", help="only the vLLM side (and no engine section)")
+    ap.add_argument("--logs", default=None, help="keep the servers' logs here (default: a temporary directory)")
     args = ap.parse_args()
 
     import torch
@@ -316,32 +346,13 @@ def main() -> None:
     print(f"load before: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} ({os.cpu_count()} cores)", flush=True)
     counts = [int(x) for x in args.clients.split(",")]
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
-        logs = Path(tmp)
+        logs = Path(args.logs or tmp)
+        logs.mkdir(parents=True, exist_ok=True)
         runs = args.run_dir or [make_run(args.model, d, logs) for d in args.documents.split(",")]
-        eng = engine_batching(runs[0], args.max_tokens, args.engine_batch, args.engine_rounds)
-        print(f"\nengine ({runs[0]}; {args.max_tokens} tokens per row, every row to its budget; median of "
-              f"{eng['rounds']} interleaved rounds): batch 1 {eng['batch1_tok_s']:.1f} tok/s, batch "
-              f"{args.engine_batch} {eng[f'batch{args.engine_batch}_tok_s']:.1f} tok/s: {eng['ratio']:.2f}x "
-              f"(rounds: {', '.join(f'{r:.2f}x' for r in eng['ratios'])})", flush=True)
-
         from nectar.serving.loader import open_served_run
 
         documents = [open_served_run(r) for r in runs]
-        server = start_nectar(runs, args.threads, args.max_batch, args.max_tokens, logs)
-        nectar_rows = []
-        try:
-            import httpx
-
-            ids = [m["id"] for m in httpx.get(f"{server.url}/models", headers={"Authorization": f"Bearer {API_KEY}"}
-                                              ).json()["data"]]
-            targets = [Target(i, None) for i in ids]
-            for c in counts:
-                nectar_rows.append(asyncio.run(run_load(server.url, targets, c, args.duration, args.max_requests,
-                                                        args.max_tokens, server.proc.pid)).row())
-        finally:
-            code = server.stop()
-        print_rows(f"nectar serve: {len(ids)} documents ({', '.join(ids)}), --max-batch {args.max_batch}, "
-                   f"exit status {code}", nectar_rows)
+        nectar_rows = [] if args.skip_nectar else bench_nectar(args, runs, counts, logs)
 
         python = vllm_python()
         want_vllm = args.vllm == "on" or (args.vllm == "auto" and python is not None and args.model == "embedded")
@@ -364,8 +375,9 @@ def main() -> None:
                 code = vllm.stop()
             print_rows(f"vllm ({args.vllm_dtype}, prefix caching, --max-num-seqs {args.max_batch}; each document "
                        f"in the prompt), exit status {code}", vllm_rows)
-            print("\nnectar serve / vllm, tok/s: " + ", ".join(
-                f"{a['clients']} clients {a['tok_s'] / b['tok_s']:.2f}x" for a, b in zip(nectar_rows, vllm_rows)))
+            if nectar_rows:
+                print("\nnectar serve / vllm, tok/s: " + ", ".join(
+                    f"{a['clients']} clients {a['tok_s'] / b['tok_s']:.2f}x" for a, b in zip(nectar_rows, vllm_rows)))
     load = os.getloadavg()
     print(f"load after: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
 
