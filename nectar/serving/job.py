@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator, Hashable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -39,11 +39,15 @@ class Job:
     params: SamplingParams
     tokenizer: object
     loop: asyncio.AbstractEventLoop
-    batch_key: Hashable = None  # set by the scheduler: jobs with equal keys may share a batch
+    model: str = ""  # the model id the client asked for
+    doc: object = None  # its module as a decode provider (None: the engine's own provider)
+    n: int | None = None  # the document length the module stands in for (None: the engine's n)
     completion_tokens: int = 0
     finish_reason: str | None = None
     submitted_at: float = field(default_factory=time.monotonic)
-    started_at: float | None = None
+    started_at: float | None = None  # joined a running batch
+    first_token_at: float | None = None
+    finished_at: float | None = None
 
     def __post_init__(self) -> None:
         self._text = TextStream(self.tokenizer, self.params.stop)
@@ -64,9 +68,11 @@ class Job:
         if self.finished:
             return True
         if self.cancelled:
-            self.finish_reason = "cancelled"
+            self.finish_reason, self.finished_at = "cancelled", time.monotonic()
             return True
         self.completion_tokens += 1
+        if self.first_token_at is None:
+            self.first_token_at = time.monotonic()
         delta = self._text.push(token)
         if delta:
             self._post(JobEvent("delta", delta))
@@ -83,14 +89,14 @@ class Job:
 
     def fail(self, message: str) -> None:
         if not self.finished:
-            self.finish_reason = "error"
+            self.finish_reason, self.finished_at = "error", time.monotonic()
             self._post(JobEvent("error", message))
 
     def _end(self, reason: str) -> None:
         rest = self._text.flush()
         if rest:
             self._post(JobEvent("delta", rest))
-        self.finish_reason = reason
+        self.finish_reason, self.finished_at = reason, time.monotonic()
         self._post(JobEvent("done", finish_reason=reason))
 
     def _post(self, event: JobEvent) -> None:

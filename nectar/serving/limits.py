@@ -28,6 +28,7 @@ class ServeLimits(FrozenConfig):
     max_stop: int = Field(4, ge=0, description="stop strings per request (OpenAI allows 4)")
     batch_wait_ms: float = Field(5.0, ge=0, description="how long a new batch waits for company")
     shutdown_timeout_s: float = Field(120.0, gt=0, description="SIGTERM: wait this long for in-flight requests")
+    max_module_bytes: int = Field(2_000_000_000, ge=1, description="modules kept loaded (LRU) before dropping one")
 
 
 @dataclass(frozen=True)

@@ -1,21 +1,25 @@
-"""Load what a module answers with — for ``nectar serve`` and ``nectar ask`` alike: a run's base model,
-its trained module and its prompt layout.
+"""Load what a module answers with — for ``nectar serve`` and ``nectar ask`` alike: runs as the server
+reads them (``ServedRun``: the document, the base model's config, the trained module's directory,
+the evaluation's generation defaults), and for ``nectar ask`` one run's base model, module and
+prompt layout.
 
-The run's train stage must have completed, and the module must
-have been trained for this base model (weights hash) and this document (sha256). The document text
-is tokenized (no forward pass) only to build the layout around the questions.
+The run's train stage must have completed, and the module must have been trained for this base
+model (weights hash) and this document (sha256); ``registry.py`` applies those checks. The document
+text is tokenized (no forward pass) only to build the layout around the questions.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..base_model import BaseLM, load_base_model
-from ..layout import PromptLayout, build_layout
+from ..layout import PromptLayout
 from ..modules.builder import NectarModule
-from ..modules.io import ModuleMismatch, load_module
+from ..modules.io import load_module
 from ..orchestration.context import open_run
 from ..schemas.artifacts import ModuleSpec
 from .limits import GenerationDefaults
+from .registry import ServedRun, open_document
 
 
 @dataclass(frozen=True)
@@ -33,24 +37,44 @@ class ServedModule:
         return self.spec.n_context
 
 
-def default_name(run_dir: str, doc_id: str) -> str:
-    """``<doc-id>/<run-id>``: names the document and the configuration the module was trained with."""
-    return f"{doc_id}/{run_dir.rstrip('/').split('/')[-1]}"
-
-
-def load_served_module(run_dir: str, name: str | None = None) -> ServedModule:
+def open_served_run(run_dir: str) -> ServedRun:
+    """A run whose train stage completed (FileNotFoundError otherwise, naming the fix)."""
     ctx = open_run(run_dir)
     if not ctx.run.exists("train", "module.json"):
         raise FileNotFoundError(f"{ctx.run.url('train')}: no trained module (run the pipeline through "
                                 "the train stage first)")
-    base = load_base_model(ctx.config.model)
-    module, spec = load_module(ctx.run.url("train"), base, ctx.info.sha256, device=base.device)
-    layout = build_layout(base.tokenizer, ctx.text)
-    if layout.n != spec.n_context:  # the module's positions would not be the document's length
-        raise ModuleMismatch(f"{ctx.run.url('train')}: module was trained for a {spec.n_context}-token "
-                             f"document, the run's document is {layout.n} tokens under this tokenizer")
     ev = ctx.config.evaluate
-    return ServedModule(
-        name=name or default_name(ctx.run.root, ctx.info.doc_id), run_dir=ctx.run.root, base=base,
-        module=module, spec=spec, layout=layout,
-        defaults=GenerationDefaults(ev.max_new_tokens_other, ev.temperature, ev.top_p))
+    return ServedRun(run_dir=ctx.run.root, doc_id=ctx.info.doc_id, doc_sha256=ctx.info.sha256, text=ctx.text,
+                     model=ctx.config.model, module_url=ctx.run.url("train"),
+                     defaults=GenerationDefaults(ev.max_new_tokens_other, ev.temperature, ev.top_p))
+
+
+def expand_run_dirs(paths: list[str]) -> list[str]:
+    """Run directories as given; a directory that is not a run stands for the trained runs under it
+    (``runs/`` or ``runs/<doc-id>/``, as ``nectar run`` lays them out)."""
+    found: list[str] = []
+    for p in paths:
+        root = Path(p)
+        if (root / "run.json").exists() or not root.is_dir():
+            found.append(p)  # a run (open_run explains what is wrong with a path that is not)
+            continue
+        runs = sorted({str(m.parent.parent) for pattern in ("*/train/module.json", "*/*/train/module.json")
+                       for m in root.glob(pattern) if (m.parent.parent / "run.json").exists()})
+        if not runs:
+            raise FileNotFoundError(f"{p}: neither a run directory (no run.json) nor a directory of trained "
+                                    "runs (no */train/module.json or */*/train/module.json under it)")
+        found.extend(runs)
+    return found
+
+
+def open_served_runs(paths: list[str]) -> list[ServedRun]:
+    return [open_served_run(r) for r in expand_run_dirs(paths)]
+
+
+def load_served_module(run_dir: str, name: str | None = None) -> ServedModule:
+    run = open_served_run(run_dir)
+    base = load_base_model(run.model)
+    doc = open_document(run, base.tokenizer, name)
+    module, spec = load_module(doc.module_url, base, doc.doc_sha256, device=base.device)
+    return ServedModule(name=doc.name, run_dir=doc.run_dir, base=base, module=module, spec=spec,
+                        layout=doc.layout, defaults=doc.defaults)

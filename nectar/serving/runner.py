@@ -1,13 +1,16 @@
-"""``nectar serve``: bind the port, load the run's module, serve until SIGTERM/SIGINT, exit 0.
+"""``nectar serve``: check the keys, bind the port, open the runs, serve until SIGTERM/SIGINT, exit 0.
 
-The port is bound before the model loads, so a port in use fails in a second with a clear message
+A non-loopback address without an API key is refused unless ``allow_unauthenticated`` says so
+explicitly: the module is the document's content, compressed. The port is bound before the model loads, so a port in use fails in a second with a clear message
 instead of after the load. On SIGTERM uvicorn stops accepting connections, lets in-flight requests
 (streams included) finish within ``shutdown_timeout_s``, then runs the app's shutdown, which drains
 the scheduler; the process then exits 0.
 """
 from __future__ import annotations
 
+import ipaddress
 import logging
+import os
 import signal
 import socket
 import sys
@@ -16,11 +19,39 @@ import uvicorn
 
 from .app import create_app
 from .limits import ServeLimits
-from .loader import load_served_module
+from .registry import ServedRun, open_registry
+
+KEY_ENV = "NECTAR_API_KEY"  # one key, or several separated by commas
 
 
 class PortInUse(OSError):
     pass
+
+
+class Unauthenticated(ValueError):
+    """A non-loopback address with no API key and no explicit --allow-unauthenticated."""
+
+
+def api_keys(flags: list[str] | None) -> tuple[str, ...]:
+    """The keys of --api-key (repeatable) and NECTAR_API_KEY (comma-separated), blanks dropped."""
+    keys = list(flags or []) + os.environ.get(KEY_ENV, "").split(",")
+    return tuple(dict.fromkeys(k.strip() for k in keys if k.strip()))
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
+
+
+def check_exposure(host: str, keys: tuple[str, ...], allow_unauthenticated: bool) -> None:
+    if not keys and not allow_unauthenticated and not is_loopback(host):
+        raise Unauthenticated(f"--host {host} exposes the modules (the documents' content) to the network "
+                              f"without an API key; give --api-key (or {KEY_ENV}), or pass "
+                              "--allow-unauthenticated if a proxy in front authenticates")
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -50,12 +81,13 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def serve(run_dir: str, host: str = "127.0.0.1", port: int = 8000, limits: ServeLimits | None = None,
-          name: str | None = None, log_level: str = "info") -> None:
+def serve(runs: list[ServedRun], sock: socket.socket, limits: ServeLimits | None = None,
+          names: list[str] | None = None, keys: tuple[str, ...] = (), log_level: str = "info") -> None:
+    """Serve ``runs`` on ``sock`` (``bind``; the caller has applied ``check_exposure`` to its host)."""
     limits = limits or ServeLimits()
-    sock = bind(host, port)
-    served = load_served_module(run_dir, name)
-    app = create_app(served, limits)
+    host = sock.getsockname()[0]
+    registry = open_registry(runs, names, limits.max_module_bytes)
+    app = create_app(registry, limits, keys)
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=int(limits.shutdown_timeout_s),
                             timeout_keep_alive=5)
     server = _Server(config, app.state.nectar)
@@ -65,8 +97,11 @@ def serve(run_dir: str, host: str = "127.0.0.1", port: int = 8000, limits: Serve
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     bound = sock.getsockname()
-    print(f"nectar serve: {served.name} (n={served.n_context}, {served.spec.arch}, "
-          f"{served.spec.module_bytes / 1e6:.2f} MB) on http://{host}:{bound[1]}/v1", flush=True)
+    for doc in registry.documents.values():  # never the keys
+        print(f"nectar serve: model {doc.name} (n={doc.n_context}, {doc.spec.arch}, "
+              f"{doc.spec.module_bytes / 1e6:.2f} MB module, loaded on first request)", flush=True)
+    auth = f"{len(keys)} API key(s)" if keys else "no API key"
+    print(f"nectar serve: {len(registry.documents)} model(s), {auth}, on http://{host}:{bound[1]}/v1", flush=True)
     logging.getLogger("nectar.serve").setLevel(log_level.upper())
     server.run(sockets=[sock])
     sys.stdout.flush()

@@ -270,3 +270,70 @@ def test_embedded_model_batched_greedy_equals_alone_and_hf_generate(smollm2, doc
         clear = next((s for s, mg in enumerate(margins) if mg < 1e-2), len(margins))
         assert clear >= 4, f"row {i}: only {clear} steps with a clear margin"
         assert together.tokens[i][:clear] == alone[:clear] == hf[:clear]
+
+
+@pytest.mark.parametrize("static_shapes", [False, True])
+def test_requests_joining_mid_decode_get_the_logits_they_get_alone(tiny_llama, document, static_shapes):
+    """Continuous batching: a short prompt runs; after 2 tokens a longer prompt joins (its prompt is
+    longer than the running cache: the running rows are shifted right at the merge), after 6 another;
+    the first row finishes while the others decode on. Every row sees, at every step, the logits it
+    gets alone, and all rows' tokens come back under their join order's index."""
+    layout, kv, prompts = _setup(tiny_llama, document)
+    short, longest = sorted(prompts, key=len)[0], sorted(prompts, key=len)[-1]
+    engine = DecodeEngine(tiny_llama, ExactDocState(kv), layout.n, stop_ids=(), static_shapes=static_shapes)
+    first = Request(short, 8)
+    later = {2: [Request(longest, 10)], 6: [Request(prompts[1], 4), Request(short, 3)]}
+    checks, active_seen = [0], []
+
+    def admit(active):
+        checks[0] += 1
+        active_seen.append(active)
+        return later.get(checks[0], [])
+
+    seen: dict[int, list[torch.Tensor]] = {i: [] for i in range(4)}
+
+    def hook(logits, rows):
+        for j, i in enumerate(rows):
+            seen[i].append(logits[j].clone())
+
+    res = engine.run([first], logits_hook=hook, admit=admit)
+    reqs = [first, *later[2], *later[6]]
+    assert [len(t) for t in res.tokens] == [8, 10, 4, 3] and res.finish_reasons == ["length"] * 4
+    assert max(active_seen) == 4  # the first row and the three joiners decoded together
+    for i, r in enumerate(reqs):
+        alone, seen_alone = _capture_logits(engine, [r])
+        assert len(seen[i]) == len(seen_alone[0]) == r.max_new_tokens
+        torch.testing.assert_close(torch.stack(seen[i]), torch.stack(seen_alone[0]), atol=LOGIT_ATOL, rtol=0)
+
+
+def test_rows_of_different_documents_decode_together_each_with_its_own(tiny_llama, document):
+    """Per-row documents: rows reading two documents (of different lengths n) in one batch, one of
+    them joining mid-decode, see the logits each gets alone with its own document."""
+    other_text = " ".join(reversed(document.split()))[: len(document) // 2]
+    docs = []
+    for text in (document, other_text):
+        layout = build_layout(tiny_llama.tokenizer, text)
+        docs.append((ExactDocState(prefill_document(tiny_llama, layout.context_ids)), layout.n,
+                     [layout.prompt(q).ids for q in QUESTIONS]))
+    assert docs[0][1] != docs[1][1]
+    (doc_a, n_a, pa), (doc_b, n_b, pb) = docs
+    reqs = [Request(pa[0], 6, doc=doc_a, n=n_a), Request(pb[1], 6, doc=doc_b, n=n_b),
+            Request(pb[0], 5, doc=doc_b, n=n_b)]
+    engine = DecodeEngine(tiny_llama, None, 0, stop_ids=())
+    calls = [0]
+
+    def admit(active):
+        calls[0] += 1
+        return [reqs[2]] if calls[0] == 3 else []
+
+    seen: dict[int, list[torch.Tensor]] = {i: [] for i in range(3)}
+
+    def hook(logits, rows):
+        for j, i in enumerate(rows):
+            seen[i].append(logits[j].clone())
+
+    engine.run(reqs[:2], logits_hook=hook, admit=admit)
+    for i, (r, (doc, n, _)) in enumerate(zip(reqs, [docs[0], docs[1], docs[1]])):
+        alone_engine = DecodeEngine(tiny_llama, doc, n, stop_ids=())
+        _, seen_alone = _capture_logits(alone_engine, [Request(r.prompt, r.max_new_tokens)])
+        torch.testing.assert_close(torch.stack(seen[i]), torch.stack(seen_alone[0]), atol=LOGIT_ATOL, rtol=0)

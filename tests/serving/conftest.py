@@ -1,6 +1,8 @@
-"""Fixtures for the server tests: a run directory with a module trained on the ``tiny`` preset
+"""Fixtures for the server tests: run directories with a module trained on the ``tiny`` preset
 (targets → train from a hand-written verified dataset, as tests/pipeline/test_orchestration_tail.py
-does: seconds), the module loaded in-process, and real ``nectar serve`` processes on localhost."""
+does: seconds) — the lighthouse document, and a second document for the many-documents tests —, the
+module loaded in-process, the server's registry of them, and real ``nectar serve`` processes on
+localhost."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -17,14 +19,22 @@ QA = [("Who bought the island?", "Captain Ilse Brandt bought Varn Island."),
       ("Who kept a ledger?", "The lighthouse keeper of Varn Island.")]
 
 
-def build_served_run(root: Path) -> str:
+# The second document: another story, so its module and its n differ from the lighthouse one's.
+DOC2 = ("The orchard at Kessel Farm was planted in 1902 by the brothers Anton and Emil Roth. They grafted "
+        "forty pear trees onto quince stock and kept a record of every harvest in a green notebook. In the dry "
+        "summer of 1911 the well failed, and the brothers carried water from the river for six weeks. The "
+        "notebook says the pears that year were small but sweet, and that Emil sold them at the market in "
+        "Lindau for twice the usual price.")
+
+
+def build_served_run(root: Path, text: str = DOC) -> str:
     from nectar import orchestration
     from nectar.orchestration.executor import run_stage
     from nectar.schemas import DatasetRow, load_config
     from nectar.tables import write_table
 
-    doc = root / "lighthouse.txt"
-    doc.write_text(DOC)
+    doc = root / ("lighthouse.txt" if text == DOC else "orchard.txt")
+    doc.write_text(text)
     ctx = orchestration.prepare_run(str(doc), load_config("tiny", overrides=["train.samples=200"]), str(root / "run"))
     orchestration.run_chunk(ctx)
     rows = [DatasetRow(pair_id=f"p{i}", chunk_id=0, task="qa", instruction=q, response=a, full_answer=a,
@@ -48,7 +58,21 @@ def served_run(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def second_run(tmp_path_factory) -> str:
+    return build_served_run(tmp_path_factory.mktemp("served2"), DOC2)
+
+
+@pytest.fixture(scope="session")
+def registry(served_run):
+    from nectar.serving.loader import open_served_run
+    from nectar.serving.registry import open_registry
+
+    return open_registry([open_served_run(served_run)], None, 2_000_000_000)
+
+
+@pytest.fixture(scope="session")
 def served(served_run):
+    from nectar.serving.loader import open_served_run
     from nectar.serving.loader import load_served_module
 
     return load_served_module(served_run)

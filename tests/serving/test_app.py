@@ -17,9 +17,9 @@ Q = "Who bought the island?"
 
 
 @pytest.fixture(scope="module")
-def api(served):
+def api(registry):
     limits = ServeLimits(max_tokens=64, max_prompt_tokens=300, max_body_bytes=20_000, max_stop=2)
-    with TestClient(create_app(served, limits)) as c:
+    with TestClient(create_app(registry, limits)) as c:
         yield c
 
 
@@ -113,11 +113,11 @@ def test_each_limit_is_named_and_the_server_keeps_serving(api, served):
     assert chat(api, served, max_tokens=3, temperature=0).status_code == 200
 
 
-def test_the_model_window_bounds_prompt_plus_answer(served):
+def test_the_model_window_bounds_prompt_plus_answer(served, registry):
     window = served.base.max_context_tokens
     room = window - served.layout.n
     limits = ServeLimits(max_tokens=room, max_prompt_tokens=room)
-    with TestClient(create_app(served, limits)) as c:
+    with TestClient(create_app(registry, limits)) as c:
         r = c.post("/v1/chat/completions", json={"model": served.name, "max_tokens": room - 5,
                                                  "messages": [{"role": "user", "content": Q}]})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
@@ -134,9 +134,9 @@ def test_multi_turn_conversation_is_answered_and_a_system_prompt_refused(api, se
     assert r.status_code == 400 and "system prompt sits before the document" in r.json()["error"]["message"]
 
 
-def test_full_queue_gives_503_with_retry_after_then_the_waiting_requests_are_answered(served):
+def test_full_queue_gives_503_with_retry_after_then_the_waiting_requests_are_answered(served, registry):
     """Without the ASGI lifespan the scheduler is not started, so admitted requests wait in its queue."""
-    app = create_app(served, ServeLimits(max_queue=2))
+    app = create_app(registry, ServeLimits(max_queue=2))
     scheduler = app.state.nectar.scheduler
     body = {"model": served.name, "messages": [{"role": "user", "content": Q}], "max_tokens": 3, "temperature": 0}
 
@@ -159,17 +159,17 @@ def test_full_queue_gives_503_with_retry_after_then_the_waiting_requests_are_ans
     assert scheduler.stats.batches == 1 and scheduler.stats.largest_batch == 2
 
 
-def test_a_failing_batch_answers_500_and_the_server_keeps_serving_with_fake_failing_provider(served):
+def test_a_failing_batch_answers_500_and_the_server_keeps_serving_with_fake_failing_provider(served, registry,
+                                                                                              monkeypatch):
     """Failure injection: the document-state provider raises inside the engine for some requests."""
-    app = create_app(served, ServeLimits())
-    engine = app.state.nectar.scheduler.engine
-    real = engine.provider
+    app = create_app(registry, ServeLimits())
+    real = registry.provider
 
     def failing(layer, q, scaling):
         raise RuntimeError("injected failure")
 
     with TestClient(app) as c:
-        engine.provider = failing
+        monkeypatch.setattr(registry, "provider", lambda name: failing)
         r = chat(c, served, max_tokens=3, temperature=0)
         assert r.status_code == 500 and r.json()["error"]["code"] == "engine_error"
         assert "injected failure" in r.json()["error"]["message"]
@@ -177,6 +177,6 @@ def test_a_failing_batch_answers_500_and_the_server_keeps_serving_with_fake_fail
                                                             "messages": [{"role": "user", "content": Q}]}) as s:
             lines = [line for line in s.iter_lines() if line]
         assert "injected failure" in lines[-2] and lines[-1] == "data: [DONE]"
-        engine.provider = real
+        monkeypatch.setattr(registry, "provider", real)
         assert chat(c, served, max_tokens=3, temperature=0).status_code == 200
         assert c.get("/health").json()["failed_batches"] == 2

@@ -1,5 +1,5 @@
-"""Dynamic batching on the real engine and the tiny run's module: who shares a batch, the queue
-limit, per-row max_tokens inside one batch, cancelled requests."""
+"""Continuous batching on the real engine and the tiny run's module: who shares the running batch,
+requests joining it mid-decode, the queue limit, per-row max_tokens, cancelled requests."""
 import asyncio
 
 import pytest
@@ -21,7 +21,7 @@ def engine(served):
     return ModuleEngine(served.base, ModuleDocState(served.module), served.n_context)
 
 
-def test_batches_take_requests_oldest_first_and_the_queue_is_bounded(served):
+def test_requests_run_oldest_first_at_most_max_batch_at_once_and_the_queue_is_bounded(served):
     async def main():
         loop = asyncio.get_running_loop()
         s = Scheduler(engine(served), max_batch=2, max_queue=4, batch_wait_s=0)
@@ -40,9 +40,37 @@ def test_batches_take_requests_oldest_first_and_the_queue_is_bounded(served):
         return s, jobs
 
     s, jobs = asyncio.run(main())
-    # [greedy, greedy], then [sampled, greedy]: per-row sampling lets any two requests share a batch
-    assert (s.stats.batches, s.stats.rows, s.stats.largest_batch) == (2, 4, 2)
-    assert jobs[0].started_at == jobs[1].started_at < jobs[2].started_at == jobs[3].started_at
+    # two rows at a time; the last two join the running batch as the first two leave it (one engine run)
+    assert (s.stats.batches, s.stats.rows, s.stats.largest_batch) == (1, 4, 2)
+    assert jobs[0].started_at == jobs[1].started_at < jobs[2].started_at <= jobs[3].started_at
+    assert jobs[2].started_at >= max(jobs[0].finished_at, jobs[1].finished_at) - 1e-3
+
+
+def test_a_short_request_arriving_mid_decode_joins_and_finishes_first(served):
+    """Continuous batching: two long answers decode; a short request submitted meanwhile joins the
+    running batch at the next step and is answered while the long ones are still decoding."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        s = Scheduler(engine(served), max_batch=4, max_queue=8, batch_wait_s=0)
+        longs = [make_job(served, loop, max_tokens=60), make_job(served, loop, max_tokens=60)]
+        s.start()
+        for j in longs:
+            s.submit(j)
+        while not any(j.completion_tokens >= 3 for j in longs):  # the long ones are decoding
+            await asyncio.sleep(0.005)
+        short = make_job(served, loop, max_tokens=3)
+        s.submit(short)
+        assert [e.kind async for e in short.events()][-1] == "done"
+        still_running = [j.finish_reason is None for j in longs]
+        for j in longs:
+            assert [e.kind async for e in j.events()][-1] == "done"
+        s.close()
+        return s, longs, short, still_running
+
+    s, longs, short, still_running = asyncio.run(main())
+    assert all(still_running) and short.completion_tokens == 3
+    assert short.finished_at < min(j.finished_at for j in longs)
+    assert s.stats.batches == 1 and s.stats.largest_batch == 3  # it joined the running batch
 
 
 def test_rows_of_one_batch_end_at_their_own_max_tokens(served):
@@ -72,10 +100,3 @@ def test_a_cancelled_waiting_request_is_dropped_and_frees_its_place(served):
 
     s, gone, events = asyncio.run(main())
     assert events[-1] == "done" and gone.completion_tokens == 0 and s.stats.rows == 1
-
-
-def test_any_requests_share_a_batch(served):
-    e = engine(served)
-    seeded = SamplingParams(max_tokens=4, temperature=0.7, top_p=0.9, seed=1)
-    assert e.batch_key(seeded) == e.batch_key(SamplingParams(9, 0.0, 1.0, None))
-    assert e.batch_key(SamplingParams(4, 0.7, 0.9, None)) == e.batch_key(SamplingParams(8, 0.2, 0.5, 3))
