@@ -188,7 +188,11 @@ class VLLMServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": f"{self.spec.kv_cache_gib:g}",
                "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
-               "PYTHONUNBUFFERED": "1"}
+               "PYTHONUNBUFFERED": "1",
+               # vllm-cpu 0.32's AOT compile artifacts fail to load on the next start ("'function'
+               # object has no attribute 'finalize_loading'") and it compiles again (~100-340 s);
+               # torch.compile's own cache (the non-AOT path) is reused across starts.
+               "VLLM_USE_AOT_COMPILE": os.environ.get("VLLM_USE_AOT_COMPILE", "0")}
         env.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # vLLM's own binding pins to cores others use
         env.pop("PYTHONPATH", None)  # the venv's packages, not this project's
         started = time.monotonic()
