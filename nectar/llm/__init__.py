@@ -1,4 +1,4 @@
-"""LLM access: one chat interface (``ChatBackend.chat_many``); backends local, openai and vllm (DESIGN.md §7).
+"""LLM access: one chat interface (``ChatBackend.chat_many``); backends local, openai and vllm (docs/configuration.md).
 
     backend = make_backend(cfg.synthesize.llm, cfg.model)
     results = backend.chat_many([make_request(cfg.synthesize.llm, "Hello")])
@@ -36,7 +36,7 @@ def make_backend(llm_cfg: LLMConfig, base_model_cfg: ModelConfig) -> ChatBackend
             print(f"llm: vLLM unavailable, using the local backend ({exc})", flush=True)
         llm_cfg = llm_cfg.model_copy(update={"backend": "local"})
     if llm_cfg.backend == "local":
-        from ..models import load_base_model
+        from ..base_model import load_base_model
         from .local import LocalBackend
 
         model_cfg = base_model_cfg
@@ -67,7 +67,7 @@ def server_spec(llm_cfg: LLMConfig, base_model_cfg: ModelConfig):
     if name.startswith("tiny:"):
         raise VLLMError(f"{name} is a random model built in-process; vLLM can only serve a model directory or id")
     if name.startswith("embedded:"):
-        from ..models import embedded_smollm2_dir
+        from ..base_model import embedded_smollm2_dir
 
         if name != "embedded:smollm2-135m":
             raise VLLMError(f"unknown embedded model {name!r} for vLLM; use embedded:smollm2-135m")

@@ -7,7 +7,7 @@ import pytest
 from nectar.documents import load_document
 from nectar.llm import ChatRequest
 from nectar.llm.local import LocalBackend
-from nectar.models import load_base_model
+from nectar.base_model import load_base_model
 from nectar.prompts import CONSISTENCY_SCHEMA, answer_prompt
 from nectar.schemas.config import ModelConfig
 
