@@ -75,7 +75,7 @@ def server_spec(llm_cfg: LLMConfig, base_model_cfg: ModelConfig):
     else:
         path = name
     return ServerSpec(model=path, served_name=name, dtype=llm_cfg.server_dtype, max_model_len=llm_cfg.max_model_len,
-                      kv_cache_gib=llm_cfg.kv_cache_gib, port=llm_cfg.port)
+                      kv_cache_gib=llm_cfg.kv_cache_gib, port=llm_cfg.port, compile=llm_cfg.server_compile)
 
 
 def _managed_server(llm_cfg: LLMConfig, base_model_cfg: ModelConfig):

