@@ -77,7 +77,8 @@ def stages(backend_name: str, run_root: str) -> dict:
     keys = ("synthesize.llm", "verify.answer_llm", "verify.judge")
     overrides = [f"{k}.backend={backend_name}" for k in keys]
     if backend_name == "local":
-        overrides.append("synthesize.samples_per_chunk=1")  # the local loop's scale (as its fallback)
+        # the local loop's scale before vLLM: one sample per prompt, a floor of 24 kept pairs
+        overrides += ["synthesize.samples_per_chunk=1", "verify.min_kept=24"]
     cfg = load_config("cpu", overrides=overrides)
     ctx = orchestration.prepare_run("pydoc:naming", cfg, run_dir=f"{run_root}/{backend_name}")
     out = {"backend": backend_name}

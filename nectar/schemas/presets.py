@@ -24,7 +24,10 @@ class ConfigError(ValueError):
 _LOCAL_FAST = {"backend": "local", "max_new_tokens": 256, "batch_size": 8}
 # The cpu preset's LLM: a managed vLLM server (its own venv, set up on first use) with up to 32
 # requests in flight; the local loop when vLLM can't be set up or started (one line says so).
-_AUTO = {**_LOCAL_FAST, "backend": "auto", "max_concurrency": 32, "kv_cache_gib": 2.0}
+# A request waits in the server's queue behind the others, so one attempt may take many minutes on
+# a loaded machine; a shorter timeout would abort it and ask again, redoing the work (seen: 300 s).
+_AUTO = {**_LOCAL_FAST, "backend": "auto", "max_concurrency": 32, "kv_cache_gib": 2.0,
+         "timeout_s": 3600.0, "retry_budget_s": 7200.0}
 
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {
@@ -65,7 +68,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         "verify": {
             "answer_llm": {**_AUTO, "max_new_tokens": 96},
             "judge": {**_AUTO, "max_new_tokens": 96},
-            "min_kept": 24,
+            # Six samples per prompt (~300 pairs) through vLLM: the floor keeps 120 (~96 train),
+            # 5x the 24 of one sample per prompt. SmolLM2 judging itself rarely reaches 0.7.
+            "min_kept": 120,
             "challenge_size": 6,
         },
         "targets": {"top_k": 32, "max_query_tokens": 384, "dtype": "float32",

@@ -23,7 +23,8 @@ from nectar.schemas.config import LLMConfig, ModelConfig, SynthesizeConfig
 from nectar.tables import read_table
 
 EMBEDDED = ModelConfig(name="embedded:smollm2-135m")
-LLM = LLMConfig(backend="vllm", kv_cache_gib=1.0, max_concurrency=8, max_new_tokens=160, temperature=0.7)
+LLM = LLMConfig(backend="vllm", kv_cache_gib=1.0, max_concurrency=8, max_new_tokens=160, temperature=0.7,
+                timeout_s=3600.0)  # a loaded CI machine: never abort a queued request and ask again
 TEXT = ("The lighthouse at Kerrow Point was built in 1871 by the engineer Ilse Brandt. Its lamp burned "
         "paraffin until 1952, when it was electrified. The keeper's cottage now holds a small museum of "
         "shipwrecks along the northern coast, including the schooner Margit, lost in the storm of 1899.")
@@ -145,8 +146,7 @@ def test_the_server_killed_mid_synthesis_loses_no_finished_request(vllm_server, 
     vllm_server.stop()
 
     with server_scope(tmp_path / "logs") as pool:
-        server = pool.acquire(vllm_server.spec)
-        cfg = cfg.model_copy(update={"llm": cfg.llm.model_copy(update={"base_url": server.url})})
+        server = pool.acquire(vllm_server.spec)  # on a new port: the stage's config is unchanged
         counts = synthesize(_chunks(), cfg, _backend(server), out)
     assert counts["resumed_requests"] == len(saved) and counts["samples"] == 8
     rows = read_table(f"{out}/pairs.parquet", PairRow)
