@@ -22,6 +22,9 @@ from nectar.schemas.artifacts import ChunkRow, PairRow
 from nectar.schemas.config import LLMConfig, ModelConfig, SynthesizeConfig
 from nectar.tables import read_table
 
+# A server start is ~2 min on an idle 2-core machine, ~4 min under a load average of 30 (and the
+# first test also pays the session server's start and, on a fresh machine, vLLM's venv build).
+LONG = pytest.mark.timeout(1800)
 EMBEDDED = ModelConfig(name="embedded:smollm2-135m")
 LLM = LLMConfig(backend="vllm", kv_cache_gib=1.0, max_concurrency=8, max_new_tokens=160, temperature=0.7,
                 timeout_s=3600.0)  # a loaded CI machine: never abort a queued request and ask again
@@ -43,6 +46,7 @@ def _backend(server: VLLMServer, **kw) -> VLLMBackend:
 
 
 @pytest.mark.slow
+@LONG
 def test_structured_output_parses_and_n_samples_come_back(vllm_server):
     backend = _backend(vllm_server)
     cfg = LLM.model_copy(update={"temperature": 0.0, "max_new_tokens": 96})
@@ -71,6 +75,7 @@ def _synth_cfg(server: VLLMServer) -> SynthesizeConfig:
 
 
 @pytest.mark.slow
+@LONG
 def test_a_finished_stage_run_again_sends_no_request(vllm_server, tmp_path):
     from nectar import orchestration
     from nectar.schemas import load_config
@@ -112,6 +117,7 @@ def test_auto_falls_back_to_local_in_one_line_and_vllm_refuses(capsys):
 
 
 @pytest.mark.slow
+@LONG
 def test_a_server_that_fails_to_start_is_a_one_line_error_naming_its_log(tmp_path):
     ensure_venv()
     log = tmp_path / "vllm.log"
@@ -124,6 +130,7 @@ def test_a_server_that_fails_to_start_is_a_one_line_error_naming_its_log(tmp_pat
 
 
 @pytest.mark.slow
+@LONG
 def test_the_server_killed_mid_synthesis_loses_no_finished_request(vllm_server, tmp_path):
     """Runs last: it kills the session's server, then restarts it through a scope (which must stop
     it again when the scope ends)."""
