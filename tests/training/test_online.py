@@ -8,10 +8,11 @@ from safetensors.torch import load_file
 
 from nectar.schemas.artifacts import TrainLogRow
 from nectar.schemas.config import ModuleConfig, TrainConfig
-from nectar.stages.train import TrainInputError, train
+from nectar.stages.train import train
+from nectar.training.fit import TrainInputError
 from nectar.tables import read_table
 from nectar.targets.online import OnlineTargets
-from nectar.training.data import TargetsData
+from nectar.targets.reader import TargetsData
 from targets_fixture import DOC, make_targets
 
 MODULE = ModuleConfig(rho=0.25, depths=(0, 2, 2))
