@@ -7,6 +7,7 @@ for real in the resume test, a port is really taken in the busy-port test.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 from pathlib import Path
@@ -158,5 +159,6 @@ def test_the_server_killed_mid_synthesis_loses_no_finished_request(vllm_server, 
     assert counts["resumed_requests"] == len(saved) and counts["samples"] == 8
     rows = read_table(f"{out}/pairs.parquet", PairRow)
     for name, kept in saved.items():  # finished replies kept byte for byte
-        assert [r for r in rows if r.pair_id == name or r.pair_id.startswith(name + "-")] == kept
+        # a job's rows are NAME-<i> ("c0-qa-3"), not another sample's ("c0-qa-s1-0")
+        assert [r for r in rows if re.fullmatch(rf"{name}-\d+", r.pair_id)] == kept
     assert not server.running and (tmp_path / "logs" / "vllm-0.log").exists()  # the scope stopped it
