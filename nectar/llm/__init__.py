@@ -1,4 +1,4 @@
-"""LLM access: one chat interface (``ChatBackend.chat_many``), two backends (docs/design.md §7).
+"""LLM access: one chat interface (``ChatBackend.chat_many``); backends local, openai and vllm (docs/design.md §7).
 
     backend = make_backend(cfg.synthesize.llm, cfg.model)
     results = backend.chat_many([make_request(cfg.synthesize.llm, "Hello")])
@@ -16,7 +16,25 @@ __all__ = [
 
 
 def make_backend(llm_cfg: LLMConfig, base_model_cfg: ModelConfig) -> ChatBackend:
-    """The backend ``llm_cfg`` names. ``local`` with no model is the pipeline's base model."""
+    """The backend ``llm_cfg`` names. ``local`` / ``vllm`` with no model serve the pipeline's base model.
+
+    ``vllm`` without ``base_url`` starts (or reuses) a server in the active server scope
+    (``nectar.llm.server_pool``); ``auto`` does the same and falls back to ``local``, saying so in
+    one line, when vLLM can't be set up or started."""
+    if llm_cfg.backend in ("vllm", "auto"):
+        from .vllm_backend import VLLMBackend
+        from .vllm_server import VLLMError
+
+        if llm_cfg.backend == "vllm" and llm_cfg.base_url:
+            return VLLMBackend(base_url=llm_cfg.base_url, model=llm_cfg.model, **_client_args(llm_cfg))
+        try:
+            server = _managed_server(llm_cfg, base_model_cfg)
+            return VLLMBackend.managed(server, **_client_args(llm_cfg))
+        except VLLMError as exc:
+            if llm_cfg.backend == "vllm":
+                raise
+            print(f"llm: vLLM unavailable, using the local backend ({exc})", flush=True)
+        llm_cfg = llm_cfg.model_copy(update={"backend": "local"})
     if llm_cfg.backend == "local":
         from ..base_model import load_base_model
         from .local import LocalBackend
@@ -30,9 +48,37 @@ def make_backend(llm_cfg: LLMConfig, base_model_cfg: ModelConfig) -> ChatBackend
     if llm_cfg.backend == "openai":
         from .openai_backend import OpenAIBackend, api_key_from_env
 
-        return OpenAIBackend(
-            base_url=llm_cfg.base_url, model=llm_cfg.model, api_key=api_key_from_env(llm_cfg.api_key_env),
-            max_concurrency=llm_cfg.max_concurrency, max_retries=llm_cfg.max_retries, timeout_s=llm_cfg.timeout_s,
-            retry_budget_s=llm_cfg.retry_budget_s,
-        )
-    raise ValueError(f"unknown LLM backend {llm_cfg.backend!r}; use 'local' or 'openai'")
+        return OpenAIBackend(base_url=llm_cfg.base_url, model=llm_cfg.model, **_client_args(llm_cfg))
+    raise ValueError(f"unknown LLM backend {llm_cfg.backend!r}; use 'local', 'openai', 'vllm' or 'auto'")
+
+
+def _client_args(llm_cfg: LLMConfig) -> dict:
+    from .openai_backend import api_key_from_env
+
+    return dict(api_key=api_key_from_env(llm_cfg.api_key_env), max_concurrency=llm_cfg.max_concurrency,
+                max_retries=llm_cfg.max_retries, timeout_s=llm_cfg.timeout_s, retry_budget_s=llm_cfg.retry_budget_s)
+
+
+def server_spec(llm_cfg: LLMConfig, base_model_cfg: ModelConfig):
+    """The vLLM server ``llm_cfg`` asks for: its model directory, dtype, context, port and KV space."""
+    from .vllm_server import ServerSpec, VLLMError
+
+    name = llm_cfg.model or base_model_cfg.name
+    if name.startswith("tiny:"):
+        raise VLLMError(f"{name} is a random model built in-process; vLLM can only serve a model directory or id")
+    if name.startswith("embedded:"):
+        from ..base_model import embedded_smollm2_dir
+
+        if name != "embedded:smollm2-135m":
+            raise VLLMError(f"unknown embedded model {name!r} for vLLM; use embedded:smollm2-135m")
+        path = str(embedded_smollm2_dir())
+    else:
+        path = name
+    return ServerSpec(model=path, served_name=name, dtype=llm_cfg.server_dtype, max_model_len=llm_cfg.max_model_len,
+                      kv_cache_gib=llm_cfg.kv_cache_gib, port=llm_cfg.port, compile=llm_cfg.server_compile)
+
+
+def _managed_server(llm_cfg: LLMConfig, base_model_cfg: ModelConfig):
+    from .server_pool import active_pool
+
+    return active_pool().acquire(server_spec(llm_cfg, base_model_cfg))

@@ -26,7 +26,7 @@ from ..base_model import BaseLM
 from .grammar import SchemaGrammar
 from .parsing import find_json
 from .prefix import PrefixCacheLRU, PrefixKV, common_prefix_len, prefill
-from .types import ChatRequest, ChatResult, OnResult, Progress
+from .types import ChatRequest, ChatResult, OnResult, Progress, expand_samples, gather_samples
 
 
 @dataclass
@@ -69,8 +69,39 @@ class LocalBackend:
     def prompt_tokens(self, request: ChatRequest) -> int:
         return len(self.encode(request))
 
+    def describe(self) -> dict:
+        return {"backend": "local", "model": self.base.name, "batch_size": self.batch_size}
+
     def chat_many(self, requests: Sequence[ChatRequest], progress: Progress | None = None,
                   on_result: OnResult | None = None) -> list[ChatResult]:
+        if any(r.n > 1 for r in requests):
+            return self._chat_many_samples(requests, progress, on_result)
+        return self._chat_many(requests, progress, on_result)
+
+    def _chat_many_samples(self, requests: Sequence[ChatRequest], progress: Progress | None,
+                           on_result: OnResult | None) -> list[ChatResult]:
+        """n > 1: each sample is a row of its own (seed + k); a request is reported once all its
+        samples are done."""
+        flat, owner = expand_samples(requests)
+        pending = [r.n for r in requests]
+        got: dict[int, ChatResult] = {}
+
+        def one(j: int, result: ChatResult) -> None:
+            got[j] = result
+            i = owner[j]
+            pending[i] -= 1
+            if pending[i] == 0 and on_result is not None:
+                mine = [k for k, o in enumerate(owner) if o == i]
+                on_result(i, gather_samples([got[k] for k in mine], [0] * len(mine), 1)[0])
+
+        outs = self._chat_many(flat, progress=None, on_result=one)
+        results = gather_samples(outs, owner, len(requests))
+        if progress is not None:
+            progress(len(requests), len(requests))
+        return results
+
+    def _chat_many(self, requests: Sequence[ChatRequest], progress: Progress | None = None,
+                   on_result: OnResult | None = None) -> list[ChatResult]:
         results: list[ChatResult | None] = [None] * len(requests)
 
         def finish(i: int, result: ChatResult) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
+from dataclasses import replace
 from typing import Any, Coroutine, Sequence, TypeVar
 
 import openai
@@ -53,6 +54,9 @@ class OpenAIBackend:
 
     def prompt_tokens(self, request: ChatRequest) -> int | None:
         return None
+
+    def describe(self) -> dict[str, Any]:
+        return {"backend": self.name, "url": self.url, "model": self.model, "max_concurrency": self.max_concurrency}
 
     def chat_many(self, requests: Sequence[ChatRequest], progress: Progress | None = None,
                   on_result: OnResult | None = None) -> list[ChatResult]:
@@ -137,11 +141,20 @@ class OpenAIBackend:
             model=model, messages=list(req.messages), max_tokens=req.max_new_tokens,
             temperature=req.temperature, top_p=req.top_p, seed=req.seed,
         )
+        if req.n > 1:
+            kwargs["n"] = req.n
+        extra = self._extra_body(req)
+        if extra:
+            kwargs["extra_body"] = extra
         if req.constrained and self.schema_supported:
             kwargs["response_format"] = {
                 "type": "json_schema", "json_schema": {"name": "reply", "schema": req.json_schema, "strict": True},
             }
         return kwargs
+
+    def _extra_body(self, req: ChatRequest) -> dict[str, Any]:
+        """Fields outside the OpenAI API: none for a generic server (vLLM's backend adds its own)."""
+        return {}
 
     def _unavailable(self, exc: Exception, attempts: int) -> LLMUnavailableError:
         return LLMUnavailableError(
@@ -152,16 +165,20 @@ class OpenAIBackend:
 def _to_result(resp: Any, req: ChatRequest) -> ChatResult:
     if not getattr(resp, "choices", None):
         raise ValueError(f"reply has no choices: {str(resp)[:200]}")
-    choice = resp.choices[0]
-    text = choice.message.content
-    if not isinstance(text, str):
-        raise ValueError(f"reply message has no text content: {str(choice)[:200]}")
     usage = getattr(resp, "usage", None)
-    return ChatResult(
-        text=text, parsed=find_json(text) if req.json_schema is not None else None,
-        finish_reason=choice.finish_reason or "stop",
-        prompt_tokens=getattr(usage, "prompt_tokens", None), completion_tokens=getattr(usage, "completion_tokens", None),
-    )
+    choices = []
+    for choice in sorted(resp.choices, key=lambda c: c.index or 0):
+        text = choice.message.content
+        if not isinstance(text, str):
+            raise ValueError(f"reply message has no text content: {str(choice)[:200]}")
+        choices.append(ChatResult(
+            text=text, parsed=find_json(text) if req.json_schema is not None else None,
+            finish_reason=choice.finish_reason or "stop", prompt_tokens=getattr(usage, "prompt_tokens", None),
+            meta={"seed": req.seed}))
+    first = choices[0]
+    # usage counts every choice's tokens together
+    return replace(first, completion_tokens=getattr(usage, "completion_tokens", None),
+                   choices=tuple(choices) if len(choices) > 1 else ())
 
 
 def _attempts(exc: openai.APIStatusError) -> int:

@@ -7,7 +7,7 @@ reached at all raises (LLMUnavailableError), because then every later request wo
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Protocol, Sequence
 
 from ..schemas.config import LLMConfig
@@ -38,10 +38,16 @@ class ChatRequest:
     temperature: float = 0.0  # 0 → greedy
     top_p: float = 1.0
     seed: int = 0
+    n: int = 1  # samples of this prompt; a server draws them in one request, local runs n rows (seeds seed+k)
+    # Prefix-cache namespace (vLLM's cache_salt): requests share cached prefix KV only with equal salts,
+    # so each document's prefix is cached apart from every other document's.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if not self.messages:
             raise ValueError("a chat request needs at least one message")
+        if self.n < 1:
+            raise ValueError(f"n (samples per request) must be >= 1, got {self.n}")
         if self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be positive, got {self.max_new_tokens}")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
@@ -53,14 +59,16 @@ class ChatRequest:
 
 
 def make_request(cfg: LLMConfig, messages: Sequence[Message] | str, json_schema: dict[str, Any] | None = None,
-                 seed: int | None = None, max_new_tokens: int | None = None) -> ChatRequest:
+                 seed: int | None = None, max_new_tokens: int | None = None, n: int = 1,
+                 cache_salt: str | None = None) -> ChatRequest:
     """A request with the sampling settings of ``cfg``; a plain string is one user message."""
     if isinstance(messages, str):
         messages = [{"role": "user", "content": messages}]
     return ChatRequest(
         messages=tuple(dict(m) for m in messages), json_schema=json_schema,
         enforce_schema=cfg.structured_output, max_new_tokens=max_new_tokens or cfg.max_new_tokens,
-        temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed if seed is None else seed,
+        temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed if seed is None else seed, n=n,
+        cache_salt=cache_salt,
     )
 
 
@@ -73,10 +81,34 @@ class ChatResult:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    # n > 1: every sample, each a result of its own (this result's fields are the first sample's).
+    choices: tuple["ChatResult", ...] = ()
 
     @property
     def ok(self) -> bool:
         return self.error is None
+
+    def samples(self) -> tuple["ChatResult", ...]:
+        return self.choices or (self,)
+
+
+def expand_samples(requests: Sequence[ChatRequest]) -> tuple[list[ChatRequest], list[int]]:
+    """Requests with n > 1 as n single-sample requests (seeds seed, seed+1, …) for a backend that
+    samples one row per prompt; the second list maps each expanded request to its original."""
+    out, owner = [], []
+    for i, req in enumerate(requests):
+        for k in range(req.n):
+            out.append(replace(req, n=1, seed=req.seed + k))
+            owner.append(i)
+    return out, owner
+
+
+def gather_samples(results: Sequence[ChatResult], owner: Sequence[int], n_requests: int) -> list[ChatResult]:
+    """The inverse of ``expand_samples``: one result per original request, its samples in ``choices``."""
+    groups: list[list[ChatResult]] = [[] for _ in range(n_requests)]
+    for result, i in zip(results, owner):
+        groups[i].append(result)
+    return [g[0] if len(g) == 1 else replace(g[0], choices=tuple(g)) for g in groups]
 
 
 class ChatBackend(Protocol):
@@ -91,4 +123,8 @@ class ChatBackend(Protocol):
 
     def prompt_tokens(self, request: ChatRequest) -> int | None:
         """Tokens the request's prompt takes after the chat template, when knowable (local)."""
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """What answered (backend, server version, model) for the stage manifest."""
         ...

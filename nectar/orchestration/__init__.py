@@ -14,12 +14,12 @@ from .context import (CheckedRun, RunContext, RunDirMismatch, StageInputError, c
                       default_run_dir, load_run_doc_kv, open_run, prepare_run)
 from .lock import RunLocked, run_lock
 from .readers import read_eval_tables, stage_extra_tables, stage_samples
-from .runners import (SHARED_DATA_STAGES, STAGE_RUNNERS, UPSTREAM, available_stages, check_inputs_done, plan_stages,
-                     run_chunk,
+from .runners import (SHARED_DATA_STAGES, STAGE_RUNNERS, UPSTREAM, available_stages, check_inputs_done, llm_scope,
+                      plan_stages, run_chunk,
                      run_evaluate, run_synthesize, run_targets, run_train, run_verify)
 
 __all__ = ["CheckedRun", "RunDirMismatch", "check_request", "check_run", "RunLocked", "run_lock",
            "RunContext", "StageInputError", "default_run_dir", "load_run_doc_kv", "open_run", "prepare_run",
            "read_eval_tables", "stage_extra_tables", "stage_samples", "SHARED_DATA_STAGES", "STAGE_RUNNERS",
-           "UPSTREAM", "available_stages", "check_inputs_done", "plan_stages", "run_chunk", "run_evaluate",
+           "UPSTREAM", "available_stages", "check_inputs_done", "llm_scope", "plan_stages", "run_chunk", "run_evaluate",
            "run_synthesize", "run_targets", "run_train", "run_verify"]

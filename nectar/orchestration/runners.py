@@ -107,6 +107,22 @@ def _add_rebuild_hint(ctx: RunContext, stage: str, exc: ArtifactError) -> None:
             return
 
 
+def llm_scope(ctx: RunContext):
+    """The vLLM servers' scope for a stage: the pipeline's when one is open (servers shared across
+    stages), else the stage's own (stopped when it ends). Logs go to ``<run>/llm/``."""
+    from ..llm.server_pool import server_log_dir, server_scope
+
+    return server_scope(server_log_dir(ctx.run.root))
+
+
+def llm_record(backend: Any, llm_cfg: Any) -> dict[str, Any]:
+    """For the manifest: what answered (backend, server version, model) and how it sampled."""
+    describe = getattr(backend, "describe", None)
+    return {**(describe() if describe else {"backend": getattr(backend, "name", "?")}),
+            "sampling": {"temperature": llm_cfg.temperature, "top_p": llm_cfg.top_p, "seed": llm_cfg.seed,
+                         "max_new_tokens": llm_cfg.max_new_tokens, "structured_output": llm_cfg.structured_output}}
+
+
 def _stage_config(ctx: RunContext, stage: str) -> dict[str, Any]:
     cfg = ctx.config
     own = getattr(cfg, stage).cache_dict() if stage in ("chunk", "synthesize", "verify", "targets",
@@ -139,9 +155,11 @@ def run_synthesize(ctx: RunContext, force: bool = False) -> StageOutcome:
 
     def body(url: str):
         chunks = read_table(ctx.run.url("chunk", "chunks.parquet"), ChunkRow)
-        backend = make_backend(ctx.config.synthesize.llm, ctx.config.model)
-        counts = synthesize(chunks, ctx.config.synthesize, backend, url, progress=ctx.progress("synthesize"))
-        return ["pairs.parquet"], counts
+        with llm_scope(ctx):
+            backend = make_backend(ctx.config.synthesize.llm, ctx.config.model)
+            counts = synthesize(chunks, ctx.config.synthesize, backend, url, progress=ctx.progress("synthesize"))
+        counts["llm"] = llm_record(backend, ctx.config.synthesize.llm)
+        return ["pairs.parquet", "requests.json"], counts
 
     return _run(ctx, "synthesize", _stage_config(ctx, "synthesize"), inputs, body, force)
 
@@ -156,10 +174,12 @@ def run_verify(ctx: RunContext, force: bool = False) -> StageOutcome:
     def body(url: str):
         pairs = read_table(ctx.run.url("synthesize", "pairs.parquet"), PairRow)
         vcfg = ctx.config.verify
-        answer = make_backend(vcfg.answer_llm, ctx.config.model)
-        judge = answer if vcfg.judge == vcfg.answer_llm else make_backend(vcfg.judge, ctx.config.model)
-        counts = verify(ctx.text, pairs, vcfg, answer, judge, embedder_path(vcfg.embedder), url,
-                        progress=ctx.progress("verify"))
+        with llm_scope(ctx):
+            answer = make_backend(vcfg.answer_llm, ctx.config.model)
+            judge = answer if vcfg.judge == vcfg.answer_llm else make_backend(vcfg.judge, ctx.config.model)
+            counts = verify(ctx.text, pairs, vcfg, answer, judge, embedder_path(vcfg.embedder), url,
+                            progress=ctx.progress("verify"))
+        counts["llm"] = {"answer": llm_record(answer, vcfg.answer_llm), "judge": llm_record(judge, vcfg.judge)}
         return ["dataset.parquet"], counts
 
     return _run(ctx, "verify", _stage_config(ctx, "verify"), inputs, body, force)
@@ -267,14 +287,17 @@ def run_evaluate(ctx: RunContext, force: bool = False) -> StageOutcome:
         upstream = ctx.stage_run("verify")
         dataset = read_table(upstream.url("verify", "dataset.parquet"), DatasetRow)
         chunks = read_table(ctx.stage_run("chunk").url("chunk", "chunks.parquet"), ChunkRow)
-        judge = make_chat(make_backend(ctx.config.evaluate.judge, ctx.config.model), ctx.config.evaluate.judge)
-        result = evaluate(ctx.config.evaluate, base, layout, doc_kv, module, spec,
-                          ctx.stage_run("targets").url("targets"), dataset, chunks, judge, url,
-                          train_log=_train_log(ctx),
-                          title=f"NECTAR · {ctx.doc_id} · {ctx.run.root.rstrip('/').split('/')[-1]}",
-                          facts={"document": ctx.info.source_uri, "run": ctx.run.root}, progress=step)
+        with llm_scope(ctx):
+            backend = make_backend(ctx.config.evaluate.judge, ctx.config.model)
+            judge = make_chat(backend, ctx.config.evaluate.judge)
+            result = evaluate(ctx.config.evaluate, base, layout, doc_kv, module, spec,
+                              ctx.stage_run("targets").url("targets"), dataset, chunks, judge, url,
+                              train_log=_train_log(ctx),
+                              title=f"NECTAR · {ctx.doc_id} · {ctx.run.root.rstrip('/').split('/')[-1]}",
+                              facts={"document": ctx.info.source_uri, "run": ctx.run.root}, progress=step)
         write_json(f"{url}/tables.json", result["tables"])  # for dashboards and sweeps
-        return [*result["files"], "tables.json"], result["counts"]
+        return [*result["files"], "tables.json"], {**result["counts"],
+                                                   "judge_llm": llm_record(backend, ctx.config.evaluate.judge)}
 
     return _run(ctx, "evaluate", _stage_config(ctx, "evaluate"), inputs, body, force)
 

@@ -475,6 +475,55 @@ def retry_cmd(
         _fail(exc)
 
 
+llm_app = typer.Typer(no_args_is_help=True, help="The vLLM server the pipeline uses (llm.backend: vllm).")
+app.add_typer(llm_app, name="llm")
+
+
+@llm_app.command("setup")
+def llm_setup() -> None:
+    """Build vLLM's own virtual environment (pinned; once; ~90-240 s and 3.4 GB on CPU)."""
+    from ..llm.vllm_server import ensure_venv, venv_dir
+
+    try:
+        typer.echo(f"vLLM ready: {ensure_venv()} (venv {venv_dir()})")
+    except Exception as exc:
+        _fail(exc)
+
+
+@llm_app.command("serve")
+def llm_serve(
+    model: Optional[str] = typer.Option(None, help="model directory or id (default: the preset's base model)"),
+    preset: str = typer.Option("cpu", help="the preset whose synthesize.llm settings the server takes"),
+    port: int = typer.Option(8000, help="port to listen on (0: a free one)"),
+    host: str = typer.Option("127.0.0.1", help="address to bind (0.0.0.0 inside a container)"),
+    log: str = typer.Option("vllm-serve.log", help="the server's log file"),
+) -> None:
+    """Start the pipeline's vLLM server standalone (for a Prefect worker or compose); print its URL.
+
+    Point the pipeline at it with --set synthesize.llm.base_url=URL (and verify.answer_llm,
+    verify.judge, evaluate.judge) and backend vllm. Ctrl-C stops it."""
+    import dataclasses
+    import time
+
+    from ..llm import server_spec
+    from ..llm.vllm_server import VLLMServer
+    from ..schemas.presets import load_config
+
+    try:
+        cfg = load_config(preset)
+        llm_cfg = cfg.synthesize.llm.model_copy(update={"model": model, "port": port})
+        spec = dataclasses.replace(server_spec(llm_cfg, cfg.model), host=host)
+        with VLLMServer(spec, log) as server:
+            typer.echo(f"vLLM {server.version} serving {spec.served_name} at {server.url} (log {log})", err=False)
+            while server.running:
+                time.sleep(1.0)
+            raise RuntimeError(f"the vLLM server exited; see {log}")
+    except KeyboardInterrupt:
+        return
+    except Exception as exc:
+        _fail(exc)
+
+
 def _report(flow_run, wait: bool, timeout: float) -> None:
     typer.echo(f"flow run {flow_run.name} ({flow_run.id}) scheduled")
     if not wait:

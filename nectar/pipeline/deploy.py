@@ -48,6 +48,7 @@ def llm_overrides_from_env(env: Mapping[str, str]) -> list[str]:
     NECTAR_LLM_BASE_URL / NECTAR_GEN_MODEL        synthesis (and, by default, every other role)
     NECTAR_ANSWER_BASE_URL / NECTAR_ANSWER_MODEL  verify's long-context re-answer
     NECTAR_JUDGE_BASE_URL / NECTAR_JUDGE_MODEL    the judge of verify and evaluate
+    NECTAR_LLM_BACKEND                            openai (default) or vllm (adds vLLM's cache_salt)
     Unset or empty role variables fall back to the generation server and model; nothing is
     overridden when NECTAR_LLM_BASE_URL is unset (the preset's own LLM settings apply).
     """
@@ -61,9 +62,10 @@ def llm_overrides_from_env(env: Mapping[str, str]) -> list[str]:
 
     roles = {"synthesize.llm": (gen_url, gen_model), "verify.answer_llm": role("ANSWER"),
              "verify.judge": role("JUDGE"), "evaluate.judge": role("JUDGE")}
+    backend = env.get("NECTAR_LLM_BACKEND") or "openai"
     out = []
     for name, (url, model) in roles.items():
-        out += [f"{name}.backend=openai", f"{name}.base_url={url}"]
+        out += [f"{name}.backend={backend}", f"{name}.base_url={url}"]
         if model:
             out.append(f"{name}.model={model}")
     return out

@@ -162,7 +162,9 @@ def nectar_pipeline(
             ctx = orchestration.open_run(checked.run.root)
         else:
             ctx = orchestration.prepare_run(document, config, checked=checked)
-        with tags("nectar", f"doc:{ctx.doc_id}"):
+        # One vLLM server (when a stage asks for one) shared by synthesize, verify and the judge,
+        # stopped when the run ends, fails or is interrupted.
+        with tags("nectar", f"doc:{ctx.doc_id}"), orchestration.llm_scope(ctx):
             for stage, stage_force in plan:
                 runner = nectar_stage.with_options(flow_run_name=f"{ctx.doc_id}-{stage}")
                 results[stage] = runner(run_dir=ctx.run.root, stage=stage, force=stage_force)
@@ -189,9 +191,10 @@ def nectar_sweep(
     with orchestration.run_lock(checked.run.root, notify=_notify), \
             tags("nectar", f"doc:{checked.info.doc_id}", "sweep"):
         ctx = orchestration.prepare_run(document, config, checked=checked)
-        for stage in orchestration.SHARED_DATA_STAGES:
-            nectar_stage.with_options(flow_run_name=f"{ctx.doc_id}-{stage}")(
-                run_dir=ctx.run.root, stage=stage, force=force)
+        with orchestration.llm_scope(ctx):  # synthesize and verify share one vLLM server
+            for stage in orchestration.SHARED_DATA_STAGES:
+                nectar_stage.with_options(flow_run_name=f"{ctx.doc_id}-{stage}")(
+                    run_dir=ctx.run.root, stage=stage, force=force)
         for variant in variants:
             vctx = sweep.variant_context(ctx, variant)
             for stage in ("train", "evaluate"):

@@ -63,11 +63,14 @@ class ModelConfig(FrozenConfig):
 
 
 class LLMConfig(FrozenConfig):
-    """One chat endpoint: in-process transformers (``local``) or an OpenAI-compatible server."""
+    """One chat endpoint: in-process transformers (``local``), an OpenAI-compatible server
+    (``openai``), or vLLM (``vllm``: a server the pipeline starts and stops, or the one at
+    ``base_url``). ``auto`` is vLLM when it can be set up and started, else ``local`` (one line says so)."""
 
-    backend: Literal["local", "openai"] = "local"
-    # openai: the served model name. local: None means the pipeline's base model.
+    backend: Literal["local", "openai", "vllm", "auto"] = "local"
+    # openai: the served model name. local / vllm: None means the pipeline's base model.
     model: str | None = None
+    # openai: the server. vllm: a server someone else runs (None: the pipeline starts one).
     base_url: str | None = None
     api_key_env: str = "OPENAI_API_KEY"
     temperature: float = 0.7
@@ -80,6 +83,15 @@ class LLMConfig(FrozenConfig):
     max_retries: int = resource(3)
     timeout_s: float = resource(300.0)  # one attempt
     retry_budget_s: float = resource(900.0)  # one request's attempts and waits together (openai backend)
+    # vllm, managed server: its context length and weights dtype (what it can answer), its port
+    # (0: a free one) and KV-cache space in GiB on CPU (VLLM_CPU_KVCACHE_SPACE; how fast, not what).
+    max_model_len: int = Field(8192, gt=0)
+    server_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    port: int = resource(0, ge=0, le=65535)
+    kv_cache_gib: float = resource(2.0, gt=0)
+    # torch.compile the served model: faster decode after a compile of minutes (every start with
+    # vllm-cpu 0.32); off, the server is up in about a minute.
+    server_compile: bool = resource(False)
 
 
 class ChunkConfig(FrozenConfig):
@@ -101,6 +113,8 @@ class SynthesizeConfig(FrozenConfig):
     # Upper bound on each string of the structured output (scratchpad, instruction, response):
     # the paper asks for < 300 words per pair; small models otherwise run past their token budget.
     max_field_chars: int = Field(600, gt=0)
+    # Samples drawn per (chunk, task) prompt, each with its own pairs (vLLM: one request with n).
+    samples_per_chunk: int = Field(1, ge=1)
     llm: LLMConfig = LLMConfig(temperature=0.7, top_p=0.95, max_new_tokens=1024)
 
 

@@ -108,8 +108,11 @@ def check_document_fits(document: str, pairs: Sequence[PairRow], cfg: VerifyConf
 def _answer_all(document: str, pairs: list[PairRow], cfg: VerifyConfig, backend: ChatBackend, out_url: str,
                 ticker: "_Ticker") -> dict[str, str]:
     store = PartialStore(f"{out_url}/partial/answers", _answers_key(document, pairs, cfg), AnswerRow)
+    # Every prompt starts with the document: one salt per document lets vLLM serve that prefix from
+    # its cache to every question, and to no other document's.
+    salt = stable_hash(document)[:16]
     requests = {p.pair_id: make_request(cfg.answer_llm, answer_prompt(document, p.instruction),
-                                        seed=_seed(cfg.answer_llm.seed, p.pair_id)) for p in pairs}
+                                        seed=_seed(cfg.answer_llm.seed, p.pair_id), cache_salt=salt) for p in pairs}
     return _run_resumable(store, requests, backend, ticker, "answer")
 
 

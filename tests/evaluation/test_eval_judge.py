@@ -99,7 +99,7 @@ def test_judge_with_the_embedded_smollm2_backend_parses_every_reply():
     from nectar.llm import make_backend
     from nectar.schemas import ModelConfig, load_config
 
-    cfg = load_config("cpu").evaluate.judge.model_copy(update={"max_new_tokens": 64})
+    cfg = load_config("cpu").evaluate.judge.model_copy(update={"max_new_tokens": 64, "backend": "local"})
     backend = make_backend(cfg, ModelConfig(name="embedded:smollm2-135m"))
     items = [JudgeItem("p1", "qa", ("test",), "Who bought the island?", "Ilse Brandt bought the island.",
                        "Her captain, Ilse Brandt, later bought the island.", "Ilse Brandt.",

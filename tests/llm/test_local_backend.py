@@ -153,3 +153,20 @@ def test_request_validation():
         ChatRequest(messages=({"role": "user", "content": "x"},), max_new_tokens=0)
     with pytest.raises(ValueError, match="top_p"):
         ChatRequest(messages=({"role": "user", "content": "x"},), top_p=0)
+
+
+def test_n_samples_are_rows_with_consecutive_seeds_reported_once_per_request(tiny):
+    from nectar.llm.local import LocalBackend
+    from nectar.llm.types import ChatRequest
+
+    backend = LocalBackend(tiny, batch_size=4)
+    msgs = ({"role": "user", "content": "Say something."},)
+    reqs = [ChatRequest(msgs, max_new_tokens=6, temperature=1.0, seed=10, n=3),
+            ChatRequest(msgs, max_new_tokens=6, temperature=1.0, seed=20)]
+    seen: list[int] = []
+    results = backend.chat_many(reqs, on_result=lambda i, r: seen.append(i))
+    assert sorted(seen) == [0, 1] and len(results) == 2
+    assert len(results[0].samples()) == 3 and len(results[1].samples()) == 1
+    # The same four rows asked one by one (same batch): sample k is the row with seed + k.
+    alone = backend.chat_many([ChatRequest(msgs, max_new_tokens=6, temperature=1.0, seed=s) for s in (10, 11, 12, 20)])
+    assert [r.text for r in results[0].samples()] == [r.text for r in alone[:3]]

@@ -64,13 +64,14 @@ def gpu_devices(service: dict) -> list[dict]:
     return service.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
 
 
-@pytest.mark.parametrize("profiles", [(), ("gpu",), ("gpu", "judge"), ("cpu",)])
+@pytest.mark.parametrize("profiles", [(), ("gpu",), ("gpu", "judge"), ("cpu",), ("cpu-vllm",)])
 def test_compose_config_validates_for_every_profile(profiles):
     cfg = compose_config(*profiles)
     expected = {(): {"postgres", "prefect-server"},
                 ("gpu",): {"postgres", "prefect-server", "vllm", "worker"},
                 ("gpu", "judge"): {"postgres", "prefect-server", "vllm", "vllm-judge", "worker"},
-                ("cpu",): {"postgres", "prefect-server", "llm-cpu", "worker-cpu"}}[profiles]
+                ("cpu",): {"postgres", "prefect-server", "llm-cpu", "worker-cpu"},
+                ("cpu-vllm",): {"postgres", "prefect-server", "vllm-cpu", "worker-cpu-vllm"}}[profiles]
     assert set(cfg["services"]) == expected
 
 
@@ -112,6 +113,19 @@ def test_gpu_profile_reserves_the_gpu_and_wires_the_worker_to_vllm():
     targets = {v["target"] for v in worker["volumes"]}
     assert {"/data", "/cache", "/documents"} <= targets
     assert worker["build"]["dockerfile"] == "infra/Dockerfile"
+
+
+def test_cpu_vllm_profile_serves_with_vllm_on_cpu_with_the_gpu_services_health_check():
+    cfg = compose_config("cpu-vllm")["services"]
+    llm, worker = cfg["vllm-cpu"], cfg["worker-cpu-vllm"]
+    assert not gpu_devices(llm) and not gpu_devices(worker)
+    assert "vllm-cpu" in llm["image"]
+    assert llm["healthcheck"]["test"] == compose_config("gpu")["services"]["vllm"]["healthcheck"]["test"]
+    assert "VLLM_CPU_KVCACHE_SPACE" in llm["environment"]
+    env = worker["environment"]
+    assert env["NECTAR_LLM_BASE_URL"] == "http://vllm-cpu:8000/v1" and env["NECTAR_LLM_BACKEND"] == "vllm"
+    assert env["NECTAR_GEN_MODEL"] == llm["command"][llm["command"].index("--served-model-name") + 1]
+    assert worker["depends_on"]["vllm-cpu"]["condition"] == "service_healthy"
 
 
 def test_cpu_profile_serves_with_transformers_and_has_no_gpu():
@@ -214,11 +228,12 @@ def test_compose_yaml_structure_without_the_binary():
     services = spec["services"]
     profiles = {name: tuple(s.get("profiles", ())) for name, s in services.items()}
     assert profiles == {"postgres": (), "prefect-server": (), "vllm": ("gpu",), "vllm-judge": ("judge",),
-                        "worker": ("gpu",), "llm-cpu": ("cpu",), "worker-cpu": ("cpu",)}
+                        "worker": ("gpu",), "llm-cpu": ("cpu",), "worker-cpu": ("cpu",),
+                        "vllm-cpu": ("cpu-vllm",), "worker-cpu-vllm": ("cpu-vllm",)}
     assert services["prefect-server"]["image"] == f"prefecthq/prefect:{prefect.__version__}-python3.11"
     for name in ("vllm", "vllm-judge", "worker"):
         assert gpu_devices(services[name]), name
-    for name in ("worker", "worker-cpu"):
+    for name in ("worker", "worker-cpu", "worker-cpu-vllm"):
         assert services[name]["command"] == ["/opt/nectar/infra/worker-entrypoint.sh"]
         assert services[name]["environment"]["PREFECT_API_URL"] == "http://prefect-server:4200/api"
     assert set(spec["volumes"]) == {"postgres-data", "nectar-data", "model-cache"}

@@ -1,0 +1,139 @@
+"""LLM backends on one machine, in one run (issue 21): the local transformers loop vs a managed vLLM server.
+
+1. Throughput: tokens/s of completions at 1, 8 and 32 concurrent requests (each level sends that
+   many requests at once: --new-tokens cap, sampled at temperature 0.7 with fixed seeds, tokens
+   counted from each reply). Local: LocalBackend with batch_size = concurrency. vLLM: the managed
+   server with max_concurrency = concurrency. vLLM's start (setup excluded; compile cache warm or
+   cold as found) is reported beside it.
+2. Stages (--stages): seconds of synthesize and verify on the default document (pydoc:naming),
+   cpu preset, with each backend: local (the preset's local loop, one sample per prompt) and vllm
+   (the preset's default: six samples per prompt), server start included in vLLM's synthesize.
+   Pairs, verified train pairs and the verifier's keep rate beside the seconds.
+
+    python benchmarks/bench_llm.py                          # throughput only (~5 min on 2 cores)
+    python benchmarks/bench_llm.py --stages --out bench_llm.json
+    python benchmarks/bench_llm.py --stages --backends vllm # stage seconds for vLLM only
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from nectar.llm import make_backend, make_request  # noqa: E402
+from nectar.llm.server_pool import server_scope  # noqa: E402
+from nectar.schemas.config import LLMConfig, ModelConfig  # noqa: E402
+
+PARAGRAPH = ("The lighthouse at Kerrow Point was built in 1871 by the engineer Ilse Brandt. Its lamp burned "
+             "paraffin until 1952, when it was electrified. The keeper's cottage now holds a small museum.")
+QUESTIONS = ["Who built the lighthouse?", "When was it electrified?", "What does the cottage hold?",
+             "Summarize the paragraph.", "What fuel did the lamp burn?", "Where is the lighthouse?",
+             "Write a short poem about the lighthouse.", "List three facts from the paragraph."]
+
+
+def _requests(cfg: LLMConfig, n: int) -> list:
+    return [make_request(cfg, f"{PARAGRAPH}\n\n{QUESTIONS[i % len(QUESTIONS)]} (#{i})", seed=i) for i in range(n)]
+
+
+def throughput(backend_name: str, levels: list[int], new_tokens: int, log_dir: str) -> list[dict]:
+    rows = []
+    base = ModelConfig(name="embedded:smollm2-135m")
+    with server_scope(log_dir):
+        started = time.perf_counter()
+        for c in levels:
+            cfg = LLMConfig(backend=backend_name, temperature=0.7, max_new_tokens=new_tokens, batch_size=c,
+                            max_concurrency=c, kv_cache_gib=1.0)
+            backend = make_backend(cfg, base)
+            if not rows:
+                start_s = time.perf_counter() - started
+                backend.chat_many(_requests(cfg, 1))  # warm-up (first call's allocations, compile)
+            t0 = time.perf_counter()
+            results = backend.chat_many(_requests(cfg, c))
+            wall = time.perf_counter() - t0
+            tokens = sum(r.completion_tokens or 0 for r in results)
+            rows.append({"backend": backend_name, "concurrency": c, "requests": c, "tokens": tokens,
+                         "seconds": round(wall, 2), "tokens_per_s": round(tokens / wall, 1),
+                         "backend_start_s": round(start_s, 1), "errors": sum(not r.ok for r in results)})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def stages(backend_name: str, run_root: str) -> dict:
+    """chunk → synthesize → verify on pydoc:naming with the cpu preset and this backend."""
+    from nectar import orchestration
+    from nectar.schemas import load_config
+    from nectar.schemas.artifacts import DatasetRow
+    from nectar.tables import read_table
+
+    keys = ("synthesize.llm", "verify.answer_llm", "verify.judge")
+    overrides = [f"{k}.backend={backend_name}" for k in keys]
+    if backend_name == "local":
+        # the local loop's scale before vLLM: one sample per prompt, a floor of 24 kept pairs
+        overrides += ["synthesize.samples_per_chunk=1", "verify.min_kept=24"]
+    cfg = load_config("cpu", overrides=overrides)
+    ctx = orchestration.prepare_run("pydoc:naming", cfg, run_dir=f"{run_root}/{backend_name}")
+    out = {"backend": backend_name}
+    with orchestration.llm_scope(ctx):
+        orchestration.run_chunk(ctx)
+        for stage, runner in (("synthesize", orchestration.run_synthesize), ("verify", orchestration.run_verify)):
+            t0 = time.perf_counter()
+            outcome = runner(ctx, True)
+            out[f"{stage}_s"] = round(time.perf_counter() - t0, 1)
+            out[f"{stage}_counts"] = {k: v for k, v in outcome.manifest.counts.items() if k != "llm"}
+            print(json.dumps({stage: out[f"{stage}_s"], "backend": backend_name}), flush=True)
+    rows = read_table(ctx.run.url("verify", "dataset.parquet"), DatasetRow)
+    judged = [r for r in rows if r.verdict not in ("synthesis_parse_error",)]
+    verified = [r for r in rows if r.kept and not r.kept_by_floor]
+    out.update(pairs=len(judged), verified=len(verified),
+               verified_train=sum(r.split == "train" for r in verified),
+               train=sum(r.split == "train" for r in rows),
+               keep_rate=round(len(verified) / max(1, len(judged)), 3), run_dir=ctx.run.root)
+    print(json.dumps({k: v for k, v in out.items() if not k.endswith("_counts")}), flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--levels", default="1,8,32")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--backends", default="local,vllm")
+    ap.add_argument("--stages", action="store_true", help="also time synthesize + verify on pydoc:naming")
+    ap.add_argument("--no-throughput", action="store_true")
+    ap.add_argument("--run-root", default=None, help="where the stage runs go (default: a temp dir)")
+    ap.add_argument("--out", default=None, help="write the figures as JSON here")
+    args = ap.parse_args()
+    levels = [int(x) for x in args.levels.split(",")]
+    backends = args.backends.split(",")
+    root = args.run_root or tempfile.mkdtemp(prefix="bench_llm-")
+    result: dict = {"throughput": [], "stages": []}
+    if not args.no_throughput:
+        for b in backends:
+            result["throughput"] += throughput(b, levels, args.new_tokens, f"{root}/logs")
+    if args.stages:
+        for b in backends:
+            result["stages"].append(stages(b, root))
+    print("\nbackend  concurrency  tokens  seconds  tokens/s")
+    for r in result["throughput"]:
+        print(f"{r['backend']:<8} {r['concurrency']:>11}  {r['tokens']:>6}  {r['seconds']:>7}  {r['tokens_per_s']:>8}")
+    by = {(r["backend"], r["concurrency"]): r["tokens_per_s"] for r in result["throughput"]}
+    for c in levels:
+        if ("local", c) in by and ("vllm", c) in by:
+            print(f"vllm / local at {c}: {by[('vllm', c)] / by[('local', c)]:.2f}x")
+    for s in result["stages"]:
+        print(f"{s['backend']}: synthesize {s['synthesize_s']} s, verify {s['verify_s']} s, pairs {s['pairs']}, "
+              f"verified {s['verified']} (train {s['verified_train']}), keep rate {s['keep_rate']}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

