@@ -1,13 +1,12 @@
 # Two commands for a newcomer on a fresh machine (Python 3.11, no GPU):
-#   make run    set up .venv and vLLM's own venv, then run the whole pipeline on the embedded default
-#               (SmolLM2 + pydoc:naming; vLLM writes and verifies the pairs, the local loop if it can't)
+#   make run    set up .venv, then run the whole pipeline on the embedded default (SmolLM2 + pydoc:naming)
 #   make test   set up .venv, then run the test suite (CPU; GPU tests skip without CUDA)
 PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.nectar-installed
 
-.PHONY: setup vllm run test test-fast bench clean
+.PHONY: setup vllm run run-vllm test test-fast bench clean
 
 setup: $(STAMP)
 
@@ -27,8 +26,13 @@ $(STAMP): pyproject.toml
 vllm: setup
 	$(BIN)/nectar llm setup || echo "vLLM setup failed (see ~/.cache/nectar/vllm-setup.log); the run uses the local backend"
 
-run: setup vllm
+run: setup
 	$(BIN)/nectar run pydoc:naming --preset cpu
+
+# The same document with self-study through a managed vLLM server and six samples per prompt
+# (infra/cpu-vllm.yaml); not the default until it is measured faster than the local loop here.
+run-vllm: vllm
+	$(BIN)/nectar run pydoc:naming --preset cpu --config infra/cpu-vllm.yaml
 
 test: setup
 	$(BIN)/pytest -m "not gpu" -q

@@ -22,12 +22,6 @@ class ConfigError(ValueError):
 
 
 _LOCAL_FAST = {"backend": "local", "max_new_tokens": 256, "batch_size": 8}
-# The cpu preset's LLM: a managed vLLM server (its own venv, set up on first use) with up to 32
-# requests in flight; the local loop when vLLM can't be set up or started (one line says so).
-# A request waits in the server's queue behind the others, so one attempt may take many minutes on
-# a loaded machine; a shorter timeout would abort it and ask again, redoing the work (seen: 300 s).
-_AUTO = {**_LOCAL_FAST, "backend": "auto", "max_concurrency": 32, "kv_cache_gib": 2.0,
-         "timeout_s": 3600.0, "retry_budget_s": 7200.0}
 
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {
@@ -60,17 +54,12 @@ PRESETS: dict[str, dict[str, Any]] = {
             # SmolLM2 sometimes loops inside one string; 300 characters per field keeps five pairs
             # within 512 tokens (at 600 a third of the requests ran out of tokens).
             "max_field_chars": 300,
-            # vLLM's speed spent on data: 6 samples per (chunk, task) prompt (one request, n=6);
-            # the local fallback draws 1, as before.
-            "samples_per_chunk": 6,
-            "llm": {**_AUTO, "max_new_tokens": 512},
+            "llm": {**_LOCAL_FAST, "max_new_tokens": 512},
         },
         "verify": {
-            "answer_llm": {**_AUTO, "max_new_tokens": 96},
-            "judge": {**_AUTO, "max_new_tokens": 96},
-            # Six samples per prompt (~300 pairs) through vLLM: the floor keeps 120 (~96 train),
-            # 5x the 24 of one sample per prompt. SmolLM2 judging itself rarely reaches 0.7.
-            "min_kept": 120,
+            "answer_llm": {**_LOCAL_FAST, "max_new_tokens": 96},
+            "judge": {**_LOCAL_FAST, "max_new_tokens": 96},
+            "min_kept": 24,
             "challenge_size": 6,
         },
         "targets": {"top_k": 32, "max_query_tokens": 384, "dtype": "float32",
@@ -82,7 +71,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         # The paper generates 196 tokens for non-QA tasks; on two CPU cores that dominates the
         # whole DAG, so the demo caps generations at 96 and judges 6 samples per split.
         "evaluate": {"max_samples": 6, "max_new_tokens_other": 96, "benchmark_lengths": [1024, 2048, 4096],
-                     "judge": {**_AUTO, "max_new_tokens": 96}},
+                     "judge": {**_LOCAL_FAST, "max_new_tokens": 96}},
     },
     "paper": {
         # YaRN x4 over the 32,768-token pretraining window (paper §4.1: every document exceeds it),

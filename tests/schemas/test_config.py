@@ -493,3 +493,16 @@ def test_a_removed_key_is_refused_in_one_line_and_old_runs_still_open(tmp_path):
     old = load_config("tiny").model_dump(mode="json")  # a run.json written before the key went
     old["train"]["num_workers"] = 0
     assert PipelineConfig.model_validate(old) == load_config("tiny")
+
+
+def test_the_vllm_config_file_switches_self_study_to_a_managed_vllm_server():
+    """infra/cpu-vllm.yaml (make run-vllm): every LLM role on vLLM (local fallback), more samples and a
+    higher floor; the plain cpu preset stays on the local loop."""
+    from pathlib import Path
+
+    cfg = load_config("cpu", config_file=str(Path(__file__).parents[2] / "infra" / "cpu-vllm.yaml"))
+    roles = (cfg.synthesize.llm, cfg.verify.answer_llm, cfg.verify.judge, cfg.evaluate.judge)
+    assert {r.backend for r in roles} == {"auto"} and cfg.synthesize.samples_per_chunk == 6
+    assert cfg.verify.min_kept == 120 and cfg.verify.judge.max_new_tokens == 96
+    plain = load_config("cpu")
+    assert plain.synthesize.llm.backend == "local" and plain.synthesize.samples_per_chunk == 1
