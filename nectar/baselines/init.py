@@ -85,7 +85,9 @@ def init_quadrature(module: NectarModule, plan: ModulePlan, init: str, doc_kv, d
                 continue
             Wh = quant(keys[h, idx])  # [p, d]: the keys as they will be stored
             mass = attention_probs(q[:, h], alpha[:, h], Wh, plan.scaling) if plan.bits < 32 else probs[:, idx]
-            beta = quant(fit_log_mass(mass).float())  # [p]
+            beta = fit_log_mass(mass)  # [p]; float64 from NNLS, kept so at 32 bits the fit is unchanged
+            if plan.bits < 32:
+                beta = quant(beta.float())
             W.append(Wh), Z.append(quant(fit_values(mass, beta, A[:, h], values[h, idx]).float()))
-            B.append(beta)
+            B.append(beta.float())
         net.set_pairs(torch.stack(W), torch.stack(Z), torch.stack(B) if plan.quad_bias else None)
