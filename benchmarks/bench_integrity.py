@@ -80,7 +80,7 @@ def main() -> None:
         return existing(args.existing, args.repeats)
 
     from nectar import integrity
-    from nectar.runs import RunDir, check_stage, run_stage
+    from nectar.orchestration.executor import RunDir, check_stage, run_stage
 
     root = args.dir or tempfile.mkdtemp(prefix="bench-integrity-")
     try:

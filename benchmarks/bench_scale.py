@@ -97,7 +97,7 @@ def load_model(args):
         return random_model(args.model, args.dtype, args.device, window, rope=rope)
     if args.model.startswith("random:"):  # random weights with the real architecture (only its config travels)
         return random_model(args.model, args.dtype, args.device, window)
-    from nectar.models import load_base_model
+    from nectar.base_model import load_base_model
     from nectar.schemas import ModelConfig
 
     return load_base_model(ModelConfig(name=args.model, device=args.device, dtype=args.dtype))

@@ -50,7 +50,7 @@ QUESTIONS = [
 def make_run(model: str, document: str, root: Path) -> str:
     """A run directory holding a random-weight module of the preset's shape (timing only)."""
     from nectar.layout import build_layout
-    from nectar.models import load_base_model
+    from nectar.base_model import load_base_model
     from nectar.modules import build_module, make_spec, plan_from_config, save_module
     from nectar.orchestration import prepare_run
     from nectar.schemas.presets import load_config

@@ -100,7 +100,7 @@ def random_smollm2(dtype: str, device: str, window: int):
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from nectar.models import BaseModel, _weights_fingerprint, cache_dir
+    from nectar.base_model import BaseLM, _weights_fingerprint, cache_dir
 
     path = cache_dir() / "models" / "smollm2-135m-instruct"
     config = LlamaConfig.from_pretrained(path)
@@ -110,7 +110,7 @@ def random_smollm2(dtype: str, device: str, window: int):
         model = LlamaForCausalLM(config).to(getattr(torch, dtype)).eval()
     model.requires_grad_(False)
     tok = AutoTokenizer.from_pretrained(path)
-    return BaseModel(model=model, tokenizer=tok, name="random:smollm2",
+    return BaseLM(model=model, tokenizer=tok, name="random:smollm2",
                      weights_hash=_weights_fingerprint(model),  # random weights: every tensor hashed
                      num_layers=config.num_hidden_layers, num_q_heads=config.num_attention_heads,
                      num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
@@ -118,7 +118,7 @@ def random_smollm2(dtype: str, device: str, window: int):
 
 
 def load_model(args):
-    from nectar.models import load_base_model
+    from nectar.base_model import load_base_model
     from nectar.schemas import ModelConfig
 
     if args.model == "random:smollm2":

@@ -34,7 +34,7 @@ from nectar.attention.exact import ExactDocState  # noqa: E402
 from nectar.attention.forward import query_logits  # noqa: E402
 from nectar.documents import load_document  # noqa: E402
 from nectar.layout import build_layout  # noqa: E402
-from nectar.models import load_base_model  # noqa: E402
+from nectar.base_model import load_base_model  # noqa: E402
 from nectar.modules.io import load_module  # noqa: E402
 from nectar.modules.provider import ModuleDocState  # noqa: E402
 from nectar.schemas.artifacts import DatasetRow, TrainLogRow  # noqa: E402

@@ -28,7 +28,7 @@ import torch  # noqa: E402
 from nectar.documents import load_document  # noqa: E402
 from nectar.llm import ChatRequest  # noqa: E402
 from nectar.llm.local import LocalBackend  # noqa: E402
-from nectar.models import load_base_model  # noqa: E402
+from nectar.base_model import load_base_model  # noqa: E402
 from nectar.prompts import answer_prompt  # noqa: E402
 from nectar.schemas.config import ModelConfig  # noqa: E402
 

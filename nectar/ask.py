@@ -12,7 +12,7 @@ from typing import Callable
 
 from .attention.engine import generate
 from .layout import PromptLayout
-from .models import BaseModel
+from .base_model import BaseLM
 from .modules.builder import NectarModule
 from .modules.provider import inference_provider
 
@@ -47,7 +47,7 @@ class _Detokenizer:
         return self.tokenizer.decode(self.tokens, skip_special_tokens=True)
 
 
-def stream_tokens(base: BaseModel, provider, n: int, prompt: list[int], max_new_tokens: int,
+def stream_tokens(base: BaseLM, provider, n: int, prompt: list[int], max_new_tokens: int,
                   temperature: float, top_p: float, seed: int, on_token: Callable[[int], None],
                   stop_ids: tuple[int, ...] | None = None) -> list[int]:
     """Sample one answer (prompt at positions n, n+1, …), calling ``on_token`` as tokens arrive."""
@@ -56,7 +56,7 @@ def stream_tokens(base: BaseModel, provider, n: int, prompt: list[int], max_new_
     return result.tokens[0]
 
 
-def answer(base: BaseModel, module: NectarModule, layout: PromptLayout, n_context: int, question: str,
+def answer(base: BaseLM, module: NectarModule, layout: PromptLayout, n_context: int, question: str,
            stream: TextCallback | None = None, max_new_tokens: int = 196, temperature: float = 0.7,
            top_p: float = 0.8, seed: int = 0) -> Answer:
     if not question.strip():

@@ -13,7 +13,7 @@ from sample_document import DOC  # noqa: E402
 
 @pytest.fixture(scope="session")
 def tiny_llama():
-    from nectar.models import load_base_model
+    from nectar.base_model import load_base_model
     from nectar.schemas import ModelConfig
 
     return load_base_model(ModelConfig(name="tiny:llama", device="cpu"))
@@ -21,7 +21,7 @@ def tiny_llama():
 
 @pytest.fixture(scope="session")
 def tiny_qwen2():
-    from nectar.models import load_base_model
+    from nectar.base_model import load_base_model
     from nectar.schemas import ModelConfig
 
     return load_base_model(ModelConfig(name="tiny:qwen2", device="cpu"))
@@ -29,7 +29,7 @@ def tiny_qwen2():
 
 @pytest.fixture(scope="session")
 def tiny_qwen3():
-    from nectar.models import load_base_model
+    from nectar.base_model import load_base_model
     from nectar.schemas import ModelConfig
 
     return load_base_model(ModelConfig(name="tiny:qwen3", device="cpu"))
@@ -41,7 +41,7 @@ def tiny_qwen3():
 
 @pytest.fixture(scope="session")
 def tiny_llama_yarn():
-    from nectar.models import load_base_model
+    from nectar.base_model import load_base_model
     from nectar.schemas import ModelConfig
 
     return load_base_model(ModelConfig(name="tiny:llama", device="cpu", yarn_factor=2.0))
@@ -49,7 +49,7 @@ def tiny_llama_yarn():
 
 @pytest.fixture(scope="session")
 def tiny_qwen3_yarn():
-    from nectar.models import load_base_model
+    from nectar.base_model import load_base_model
     from nectar.schemas import ModelConfig
 
     from nectar.schemas.presets import load_config
@@ -60,7 +60,7 @@ def tiny_qwen3_yarn():
 
 @pytest.fixture(scope="session")
 def smollm2():
-    from nectar.models import load_base_model
+    from nectar.base_model import load_base_model
     from nectar.schemas import ModelConfig
 
     return load_base_model(ModelConfig(name="embedded:smollm2-135m", device="cpu"))

@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from nectar.models import WEIGHTS_HASH_CACHE, _weights_fingerprint, folder_digest
+from nectar.base_model import WEIGHTS_HASH_CACHE, _weights_fingerprint, folder_digest
 
 
 def test_every_tensor_element_counts(tiny_llama):

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load as st_load
 
 from ..integrity import write_stable_safetensors
-from ..models import BaseModel
+from ..base_model import BaseLM
 from ..storage import atomic_write
 
 
@@ -37,7 +37,7 @@ class DocKV:
 
 
 @torch.no_grad()
-def prefill_document(base: BaseModel, context_ids, chunk_tokens: int = 2048, start: DocKV | None = None) -> DocKV:
+def prefill_document(base: BaseLM, context_ids, chunk_tokens: int = 2048, start: DocKV | None = None) -> DocKV:
     """The KV cache of ``context_ids``: one forward over the document, in chunks of ``chunk_tokens``
     (bounds activation memory). ``start``: the KV of a prefix of ``context_ids`` already computed
     (a shorter cached prefix): only the tokens after it are run."""
@@ -74,7 +74,7 @@ def read_doc_kv_meta(url: str) -> dict[str, str]:
         return json.loads(f.read(header_len)).get("__metadata__", {})
 
 
-def load_doc_kv(url: str, base: BaseModel, expect: dict[str, str]) -> DocKV:
+def load_doc_kv(url: str, base: BaseLM, expect: dict[str, str]) -> DocKV:
     """Load a cached document KV, refusing one made for another model or document."""
     meta = read_doc_kv_meta(url)
     for key, want in expect.items():

@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..models import BaseModel
+from ..base_model import BaseLM
 from .interface import DocStateProvider, nectar_attention
 from .local_cache import LocalKV
 from .sampling import SamplingParams, sample
@@ -67,7 +67,7 @@ class GenerationResult:
         return self.n_decoded / self.decode_s if self.decode_s > 0 else float("nan")
 
 
-def default_stop_ids(base: BaseModel) -> tuple[int, ...]:
+def default_stop_ids(base: BaseLM) -> tuple[int, ...]:
     """The model's end-of-sequence ids (generation config and tokenizer)."""
     eos = base.model.generation_config.eos_token_id if base.model.generation_config else None
     ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
@@ -96,7 +96,7 @@ class DecodeEngine:
     ``static_shapes``: the graph-capturable step without the capture (always on with graphs; tests
     use it on CPU)."""
 
-    def __init__(self, base: BaseModel, provider: DocStateProvider | None, n: int,
+    def __init__(self, base: BaseLM, provider: DocStateProvider | None, n: int,
                  stop_ids: Sequence[int] | None = None, check_every: int | None = None,
                  cuda_graphs: bool | None = None, static_shapes: bool = False):
         self.base, self.provider, self.n = base, provider, n
@@ -377,7 +377,7 @@ class _GraphedStep:
 
 @torch.inference_mode()
 def generate(
-    base: BaseModel,
+    base: BaseLM,
     provider: DocStateProvider | None,
     n: int,
     prompts: Sequence[Sequence[int]],

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from ..models import BaseModel
+from ..base_model import BaseLM
 from .interface import DocStateProvider, nectar_attention
 
 
 def query_logits(
-    base: BaseModel,
+    base: BaseLM,
     provider: DocStateProvider | None,
     input_ids: torch.Tensor,  # [b, m] right-padded
     n: int,

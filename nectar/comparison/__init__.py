@@ -3,6 +3,7 @@
 systems.py  the registry of systems (reference, trained regimes, closed-form baselines)
 run.py      plan → train what is missing → fit baselines → score with paired intervals → write
 table.py    the markdown table
+sweep.py    grids over architectures, ρ and loss weights as child runs sharing the data stages
 """
 from .run import (CompareInputError, CompareResult, compare, open_for_compare, parse_rhos, plan_jobs,  # noqa: F401
                   refresh_targets, score_and_write, train_missing, validate)

@@ -4,7 +4,7 @@
   1. plan   one job per (system, ρ); a trained job resolves to a run directory holding its train
             stage: the run itself when the settings are the run's, a variant that already trained
             the same settings (``nectar sweep``, an earlier compare), or a new variant directory
-            ``RUN/sweep/<system>_rho-<ρ>/`` sharing the run's data stages (nectar/sweep.py)
+            ``RUN/sweep/<system>_rho-<ρ>/`` sharing the run's data stages (comparison/sweep.py)
   2. train  what is missing, through the train stage and its cache (a second compare trains nothing)
   3. fit    the closed-form baselines (nectar.baselines, seconds)
   4. score  every provider on every held-out pair in one pass (evaluation/scoring.py: the full and
@@ -26,7 +26,8 @@ from ..evaluation.selection import evaluated_splits, select_pairs
 from ..modules.budget import BudgetError
 from ..modules.builder import ModulePlan, plan_from_config
 from ..orchestration.context import RunContext, StageInputError, load_base, load_run_doc_kv, open_run
-from ..runs import RunDir, now
+from ..orchestration.executor import RunDir, now
+from ..orchestration.runners import run_targets, run_train
 from ..schemas.artifacts import ComparisonRow, RunManifest, TargetsPairRow
 from ..schemas.config import PipelineConfig
 from ..schemas.presets import ConfigError
@@ -98,8 +99,6 @@ def refresh_targets(ctx: RunContext, stage_runner: Callable[[RunContext, str], A
     if stage_runner is not None:
         stage_runner(ctx, "targets")
     else:
-        from ..orchestration.stages import run_targets
-
         run_targets(ctx, False)
 
 
@@ -170,7 +169,7 @@ def _same_training(a: PipelineConfig, b: PipelineConfig) -> bool:
 def variant_for(parent: RunContext, name: str, config: PipelineConfig) -> RunContext:
     """The run directory whose train stage trains ``config``: the parent itself, an existing variant
     with the same training settings, or a new variant directory (sharing the parent's data stages)."""
-    from ..sweep import Variant, prepare_variant
+    from .sweep import Variant, prepare_variant
 
     if _same_training(parent.config, config):
         return parent
@@ -317,8 +316,6 @@ def compare(ctx: RunContext, systems: list[str] | None = None, rhos: list[float]
             train_stage: TrainStage | None = None, progress: ProgressFactory | None = None) -> CompareResult:
     """Plan, train what is missing, score and write (the Prefect flow runs the same steps with the
     train stage as a subflow)."""
-    from ..orchestration.stages import run_train
-
     check_ready(ctx)
     refresh_targets(ctx)
     jobs = plan_jobs(ctx, systems, rhos)

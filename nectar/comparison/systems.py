@@ -5,7 +5,7 @@
   trained    a module the train stage trains under a config overlay — a training regime of
              nectar/schemas/presets.py (REGIMES, sized per preset by PRESET_REGIMES) plus optional
              further settings — at each budget ρ, in a variant run directory that shares the run's
-             data stages (nectar/sweep.py).
+             data stages (comparison/sweep.py).
   baseline   a closed-form fit on the document KV and the captured targets,
              ``nectar.baselines.fit_baseline(name, doc_kv, targets_url, plan, seed)``, sized to the
              bytes of the module plan at the same ρ.

@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..attention.engine import generate
-from ..models import BaseModel
+from ..base_model import BaseLM
 from .rouge import rouge_l
 
 Embed = Callable[[list[str]], np.ndarray]  # texts → unit-norm embeddings [N, e]
@@ -33,7 +33,7 @@ class AgreementScores:
 
 
 def greedy_continuations(
-    base: BaseModel,
+    base: BaseLM,
     n: int,
     providers: dict[str, Callable | None],
     prompts: Sequence[Sequence[int]],
@@ -78,7 +78,7 @@ def agreement_scores(decode: Callable[[list[int]], str], reference: Sequence[Seq
 
 def sentence_embedder(path: str) -> Embed:
     """Unit-norm sentence embeddings from a sentence-transformers folder (``models.embedder_path``)."""
-    from ..models import load_embedder
+    from ..base_model import load_embedder
 
     model = load_embedder(path)
 

@@ -26,7 +26,7 @@ import torch
 from ..attention.doc_kv import prefill_document
 from ..attention.engine import DecodeEngine, GenerationResult, Request
 from ..attention.exact import ExactDocState
-from ..models import BaseModel
+from ..base_model import BaseLM
 from ..modules.budget import BudgetError
 from ..modules.builder import ModulePlan, build_module, plan_module
 from ..modules.provider import inference_provider
@@ -67,7 +67,7 @@ def context_of_length(context_ids: Sequence[int], n: int) -> list[int]:
     return (list(context_ids) * reps)[:n]
 
 
-def same_architecture(base: BaseModel, plan: ModulePlan, seed: int = 0) -> ModuleFactory:
+def same_architecture(base: BaseLM, plan: ModulePlan, seed: int = 0) -> ModuleFactory:
     """Modules of ``plan``'s architecture re-planned for each n (the per-layer ρ_ℓ kept, so the
     budget scales with n), with *random* initial weights: their cost is what is timed, not their
     answers. Quadrature modules start from the first p document keys/values, as in training."""
@@ -93,7 +93,7 @@ def _timed_generate(engine: DecodeEngine, prompt: list[int], new_tokens: int) ->
     return engine.run([Request(prompt, new_tokens)])
 
 
-def timed_batch(base: BaseModel, provider, n: int, prompts: Sequence[list[int]], new_tokens: int,
+def timed_batch(base: BaseLM, provider, n: int, prompts: Sequence[list[int]], new_tokens: int,
                 repeats: int = REPEATS) -> tuple[float, float]:
     """Median TTFT (s) and median aggregate decode tokens/s of ``prompts`` decoded as one batch."""
     ttfts, rates = [], []
@@ -115,7 +115,7 @@ def _row(n, system, ttfts, rates, peak, method, state_bytes, prompt, new_tokens,
                         new_tokens=new_tokens, repeats=len(ttfts), device=str(device), note=note)
 
 
-def bench_length(base: BaseModel, context_ids: Sequence[int], n: int, prompt: list[int],
+def bench_length(base: BaseLM, context_ids: Sequence[int], n: int, prompt: list[int],
                  module_for: ModuleFactory, new_tokens: int, repeats: int = REPEATS) -> list[BenchmarkRow]:
     """Measure the three systems at document length n.
 
@@ -171,7 +171,7 @@ def bench_length(base: BaseModel, context_ids: Sequence[int], n: int, prompt: li
             for s in systems]
 
 
-def run_benchmark(base: BaseModel, context_ids: Sequence[int], prompt: list[int],
+def run_benchmark(base: BaseLM, context_ids: Sequence[int], prompt: list[int],
                   lengths: Sequence[int], module_for: ModuleFactory, new_tokens: int,
                   repeats: int = REPEATS, progress: Callable[[int, int], None] | None = None
                   ) -> "BenchmarkResult":

@@ -13,7 +13,7 @@ from typing import Callable
 
 from ..attention.engine import DecodeEngine, Request
 from ..layout import PromptLayout
-from ..models import BaseModel
+from ..base_model import BaseLM
 from ..schemas.artifacts import GenerationRow
 from ..schemas.config import EvaluateConfig
 
@@ -31,12 +31,12 @@ def max_new_tokens(task: str, cfg: EvaluateConfig) -> int:
     return cfg.max_new_tokens_qa if task == "qa" else cfg.max_new_tokens_other
 
 
-def _decode(base: BaseModel, tokens: list[int]) -> str:
+def _decode(base: BaseLM, tokens: list[int]) -> str:
     return base.tokenizer.decode(tokens, skip_special_tokens=True).strip()
 
 
 def generate_answers(
-    base: BaseModel,
+    base: BaseLM,
     layout: PromptLayout,
     providers: dict[str, Callable | None],
     items: list[GenItem],

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from ..models import BaseModel, embedder_path
+from ..base_model import BaseLM, embedder_path
 from ..schemas.config import EvaluateConfig
 from .agreement import agreement_scores, greedy_continuations, sentence_embedder
 from .quality import SystemQuality, split_quality
@@ -20,7 +20,7 @@ from .teacher import PairSums, teacher_forced_pair_sums
 Step = Callable[[str, int, int], None]  # (step, done, total)
 
 
-def agreement_continuations(base: BaseModel, n: int, providers: dict, sel: Selection, cfg: EvaluateConfig,
+def agreement_continuations(base: BaseLM, n: int, providers: dict, sel: Selection, cfg: EvaluateConfig,
                             batch_size: int = 8, progress: Callable[[int, int], None] | None = None,
                             ) -> dict[str, dict[str, list[int]]]:
     """{system: {pair_id: greedy tokens}} for every pair of an agreement sample (each pair once,
@@ -54,7 +54,7 @@ def quality_by_split(sel: Selection, sums: dict[str, PairSums], continuations: d
     return out
 
 
-def score_providers(base: BaseModel, n: int, providers: dict[str, Callable | None], sel: Selection,
+def score_providers(base: BaseLM, n: int, providers: dict[str, Callable | None], sel: Selection,
                     cfg: EvaluateConfig, batch_size: int = 4, gen_batch_size: int = 8,
                     step: Step | None = None, timings: dict[str, float] | None = None,
                     ) -> tuple[dict[str, PairSums], dict[str, dict[str, SystemQuality]]]:

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ..attention.forward import query_logits
-from ..models import BaseModel
+from ..base_model import BaseLM
 from .metrics import HeadErrors, TokenSums, layer_head_errors, response_targets, scored_sums
 
 MODELS = ("module", "full", "none")
@@ -73,7 +73,7 @@ class PairSums:
 
 @torch.no_grad()
 def teacher_forced_pair_sums(
-    base: BaseModel,
+    base: BaseLM,
     providers: dict[str, Callable | None],
     pairs: Iterable[EvalPair],
     n: int,

@@ -18,7 +18,7 @@ __all__ = [
 def make_backend(llm_cfg: LLMConfig, base_model_cfg: ModelConfig) -> ChatBackend:
     """The backend ``llm_cfg`` names. ``local`` with no model is the pipeline's base model."""
     if llm_cfg.backend == "local":
-        from ..models import load_base_model
+        from ..base_model import load_base_model
         from .local import LocalBackend
 
         model_cfg = base_model_cfg

@@ -22,7 +22,7 @@ import torch
 
 from ..attention.engine import DecodeEngine, Request
 from ..attention.exact import ExactDocState
-from ..models import BaseModel
+from ..base_model import BaseLM
 from .grammar import SchemaGrammar
 from .parsing import find_json
 from .prefix import PrefixCacheLRU, PrefixKV, common_prefix_len, prefill
@@ -41,7 +41,7 @@ class _Row:
 class LocalBackend:
     name = "local"
 
-    def __init__(self, base: BaseModel, batch_size: int = 8, reuse_prefix: bool = True,
+    def __init__(self, base: BaseLM, batch_size: int = 8, reuse_prefix: bool = True,
                  min_prefix_tokens: int = 32, prefix_slack_tokens: int = 64, prefix_entries: int = 4):
         self.base = base
         self.model, self.tokenizer = base.model, base.tokenizer

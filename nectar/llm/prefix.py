@@ -55,7 +55,7 @@ def common_prefix_len(seqs: Sequence[Sequence[int]]) -> int:
 
 
 def prefill(base, ids: Sequence[int], start: PrefixKV | None = None) -> PrefixKV:
-    """KV cache of ``ids`` (a BaseModel's one document prefill), continuing from ``start`` when it is
+    """KV cache of ``ids`` (a BaseLM's one document prefill), continuing from ``start`` when it is
     a prefix of ``ids``."""
     if start is not None and tuple(ids[: start.length]) != start.ids:
         raise ValueError("prefill: the cached prefix is not a prefix of these tokens")

@@ -79,7 +79,7 @@ def check_spec(spec: ModuleSpec, where: str, base_model_hash: str | None = None,
 
 def load_module(dir_url: str, base=None, expect_doc_sha: str | None = None,
                 device: str | torch.device = "cpu") -> tuple[NectarModule, ModuleSpec]:
-    """Load a module, checking it matches ``base`` (a BaseModel) and the expected document."""
+    """Load a module, checking it matches ``base`` (a BaseLM) and the expected document."""
     spec = read_spec(dir_url)
     if base is not None:
         check_spec(spec, dir_url, base.weights_hash, expect_doc_sha, base.head_dim,

@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from ..documents import load_document
 from ..layout import ContextTooLongError
-from ..runs import RunDir, doc_id_for, now, slug
+from .executor import RunDir, doc_id_for, now, slug
 from ..schemas.artifacts import DocumentInfo, RunManifest
 from ..schemas.base import stable_hash
 from ..schemas.config import PipelineConfig
@@ -157,7 +157,7 @@ def open_run(run_dir: str, progress: ProgressFactory = _no_progress) -> RunConte
 
 
 def _code_version() -> str:
-    from ..runs import CODE_VERSION
+    from .executor import CODE_VERSION
 
     return CODE_VERSION
 
@@ -173,7 +173,7 @@ def _context_tokens(config: PipelineConfig, text: str) -> int:
 
 
 def load_base(config: PipelineConfig):
-    from ..models import load_base_model
+    from ..base_model import load_base_model
 
     return load_base_model(config.model)
 

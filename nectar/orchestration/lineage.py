@@ -1,6 +1,6 @@
 """The code a stage runs, as a digest for its cache key.
 
-A stage's code is its runner (``run_<stage>`` in stages.py) and every ``nectar`` module reachable
+A stage's code is its runner (``run_<stage>`` in runners.py) and every ``nectar`` module reachable
 from the imports inside it (the stage module, the model code, the attention capture, the prompts
 folder's text files, …), found by reading the import statements — lazy ones inside functions too.
 The digest covers each module's syntax tree without docstrings, so a comment, a docstring or a
@@ -22,7 +22,7 @@ from typing import Callable, Iterable
 
 PACKAGE = "nectar"
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
-PLUMBING = ("nectar.runs", "nectar.storage", "nectar.integrity", "nectar.orchestration", "nectar.pipeline",
+PLUMBING = ("nectar.storage", "nectar.integrity", "nectar.orchestration", "nectar.pipeline",
             # configuration enters cache keys by value (every field, defaults included), not by code
             "nectar.schemas.config", "nectar.schemas.presets")
 DATA_SUFFIXES = (".txt", ".json", ".yaml", ".yml", ".jinja", ".j2")

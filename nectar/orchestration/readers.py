@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..runs import RunDir
+from .executor import RunDir
 from ..schemas.artifacts import ChunkRow, DatasetRow, PairRow
 from ..storage import atomic_write
 from ..tables import ArtifactError, read_table

@@ -123,7 +123,7 @@ def sweep(
     with reported(debug, _error_line):
         from ..orchestration import check_run, run_lock
         from ..schemas.presets import load_config
-        from ..sweep import expand_variants, parse_grid
+        from ..comparison.sweep import expand_variants, parse_grid
 
         cfg = load_config(preset, config, None, set_)
         expand_variants(cfg, parse_grid(grid))
@@ -177,7 +177,7 @@ def status(run_dir: str = typer.Argument(..., help="A run directory, or a folder
 
     ``stale``: completed, but an input or output changed since (every output byte is checked);
     the next `nectar run` redoes it."""
-    from ..runs import RunDir
+    from ..orchestration.executor import RunDir
 
     if RunDir(run_dir).exists("run.json"):
         _print_status(run_dir)
@@ -250,7 +250,7 @@ def serve_cmd(
 
 def _print_status(run_dir: str) -> None:
     from ..orchestration import available_stages
-    from ..runs import RunDir, stage_status
+    from ..orchestration.executor import RunDir, stage_status
 
     run = RunDir(run_dir)
     avail = set(available_stages())

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..runs import slug
+from ..orchestration.executor import slug
 from ..schemas.config import STAGES
 from .gpu_slots import GPU_LIMIT, GPU_STAGES
 

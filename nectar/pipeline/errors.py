@@ -24,7 +24,7 @@ BAD_INPUT, STAGE_FAILED, LOCKED, INTERRUPTED = 2, 1, 3, 130
 def _bad_input_types() -> tuple[type[BaseException], ...]:
     from ..documents import DocumentError
     from ..layout import ContextTooLongError
-    from ..models import ModelLoadError
+    from ..base_model import ModelLoadError
     from ..modules.io import ModuleMismatch
     from ..orchestration.context import StageInputError
     from ..schemas.presets import ConfigError

@@ -19,7 +19,7 @@ from prefect.runtime import flow_run
 
 from .. import orchestration
 from ..orchestration.readers import write_json
-from ..runs import record_failure
+from ..orchestration.executor import record_failure
 from .gpu_slots import doc_slot, gpu_slot
 from ..schemas.config import STAGES
 from ..schemas.presets import load_config
@@ -179,7 +179,7 @@ def nectar_sweep(
     regime: str | None = None,
 ) -> dict[str, Any]:
     """Data stages once, then train + evaluate for every grid variant; one comparison table."""
-    from .. import sweep
+    from ..comparison import sweep
 
     config = load_config(preset, config_file, regime, overrides or [])
     variants = sweep.with_base(config, sweep.expand_variants(config, sweep.parse_grid(grid)))

@@ -36,7 +36,7 @@ class ModelConfig(FrozenConfig):
     # RoPE scaling merged into the model's own RoPE parameters (its rope_theta is kept), e.g.
     # {rope_type: yarn, factor: 4, original_max_position_embeddings: 32768} for Qwen3. Static types
     # only (yarn, linear, llama3): the document KV is computed once, so the rotation can't depend on
-    # the sequence length (dynamic, longrope). See nectar/models.py ``apply_rope_scaling``.
+    # the sequence length (dynamic, longrope). See nectar/base_model.py ``apply_rope_scaling``.
     rope_scaling: dict[str, Any] | None = None
     # Refuse documents + query longer than this many tokens (default: the model's trained window,
     # scaled by the RoPE factor when set).

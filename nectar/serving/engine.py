@@ -17,7 +17,7 @@ import random
 from collections.abc import Hashable
 
 from ..attention.engine import DecodeEngine, Request
-from ..models import BaseModel
+from ..base_model import BaseLM
 from .job import Job, SamplingParams
 
 
@@ -30,7 +30,7 @@ class ModuleEngine:
 
     joins_running_batch = False  # a request that arrives mid-batch waits for the next one
 
-    def __init__(self, base: BaseModel, provider, n_context: int):
+    def __init__(self, base: BaseLM, provider, n_context: int):
         self.base, self.n_context = base, n_context
         # end-of-sequence is the engine's (the model's eos ids): the row ends with finish "stop"
         self.engine = DecodeEngine(base, provider, n_context)

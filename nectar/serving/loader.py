@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..layout import PromptLayout
-from ..models import BaseModel
+from ..base_model import BaseLM
 from ..modules.builder import NectarModule
 from ..schemas.artifacts import ModuleSpec
 from .limits import GenerationDefaults
@@ -20,7 +20,7 @@ from .limits import GenerationDefaults
 class ServedModule:
     name: str  # the model id clients send
     run_dir: str
-    base: BaseModel
+    base: BaseLM
     module: NectarModule
     spec: ModuleSpec
     layout: PromptLayout
@@ -38,7 +38,7 @@ def default_name(run_dir: str, doc_id: str) -> str:
 
 def load_served_module(run_dir: str, name: str | None = None) -> ServedModule:
     from ..layout import build_layout
-    from ..models import load_base_model
+    from ..base_model import load_base_model
     from ..modules.io import ModuleMismatch, load_module
     from ..orchestration import open_run
 

@@ -35,7 +35,7 @@ from ..evaluation.scoring import score_providers
 from ..evaluation.selection import EvaluateInputError, Selection, evaluated_splits, select_pairs
 from ..evaluation.teacher import head_errors
 from ..layout import PromptLayout
-from ..models import BaseModel
+from ..base_model import BaseLM
 from ..modules.builder import ModulePlan, NectarModule
 from ..modules.provider import ModuleDocState, inference_provider
 from ..schemas.artifacts import (ChunkRow, DatasetRow, GenerationRow, JudgmentRow, MetricsRow,
@@ -59,7 +59,7 @@ def _metrics_rows(quality: dict[str, dict[str, SystemQuality]]) -> list[MetricsR
     return rows
 
 
-def _target_rows(targets_url: str, base: BaseModel, doc_kv: DocKV):
+def _target_rows(targets_url: str, base: BaseLM, doc_kv: DocKV):
     """The targets' (q, α, A) rows by token index: read (any storage dtype) or recomputed (online)."""
     from ..training.data import TargetsData
 
@@ -110,7 +110,7 @@ def _benchmark(base, layout, cfg, plan, notes, progress) -> list[BenchmarkRow]:
 
 def evaluate(
     cfg: EvaluateConfig,
-    base: BaseModel,
+    base: BaseLM,
     layout: PromptLayout,
     doc_kv: DocKV,
     module: NectarModule,

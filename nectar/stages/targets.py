@@ -21,7 +21,7 @@ import torch
 from ..attention.doc_kv import DocKV
 from ..attention.exact import ExactDocState
 from ..layout import PromptLayout
-from ..models import BaseModel
+from ..base_model import BaseLM
 from ..schemas.artifacts import SPLIT_CODES, DatasetRow, TargetsHeader, TargetsPairRow
 from ..schemas.config import TargetsConfig
 from ..tables import write_table
@@ -65,7 +65,7 @@ def plan_pairs(rows: list[DatasetRow], layout: PromptLayout, cfg: TargetsConfig)
 
 
 def build_targets(
-    base: BaseModel,
+    base: BaseLM,
     layout: PromptLayout,
     doc_kv: DocKV,
     rows: list[DatasetRow],
@@ -104,7 +104,7 @@ def build_targets(
             **{f"pairs_{k}": v for k, v in header.split_pairs.items()}}
 
 
-def targets_size(planned: list[PlannedPair], base: BaseModel, cfg: TargetsConfig) -> TargetsSize:
+def targets_size(planned: list[PlannedPair], base: BaseLM, cfg: TargetsConfig) -> TargetsSize:
     """What the group for these pairs will take on disk (see nectar/targets/size.py)."""
     return TargetsSize(n_pairs=len(planned), n_tokens=sum(p.row.length for p in planned),
                        num_layers=base.num_layers, num_q_heads=base.num_q_heads, head_dim=base.head_dim,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..models import BaseModel
+from ..base_model import BaseLM
 from ..modules.builder import NectarModule, build_module, plan_from_config
 from ..modules.io import make_spec, save_module
 from ..schemas.artifacts import TargetsHeader, TrainLogRow
@@ -36,7 +36,7 @@ def targets_zarr_url(url: str) -> str:
     return url if url.endswith(".zarr") else f"{url}/targets.zarr"
 
 
-def check_targets_fit(header: TargetsHeader, base: BaseModel, where: str) -> None:
+def check_targets_fit(header: TargetsHeader, base: BaseLM, where: str) -> None:
     if header.model_hash != base.weights_hash:
         raise TrainInputError(f"{where}: targets were cached with model {header.model!r} (weights hash "
                               f"{header.model_hash}), not the loaded {base.name!r} ({base.weights_hash}); "
@@ -50,7 +50,7 @@ def check_targets_fit(header: TargetsHeader, base: BaseModel, where: str) -> Non
 def train(
     targets_url: str,
     cfg: TrainConfig,
-    base: BaseModel,
+    base: BaseLM,
     doc_kv,  # nectar.attention.doc_kv.DocKV | None (needed by quadrature modules and online targets)
     out_url: str,
     progress: Callable[[int, int], None] | None = None,
@@ -60,7 +60,7 @@ def train(
     return fit(targets_url, cfg, base, doc_kv, out_url, progress, stop_after)[1]
 
 
-def fit(targets_url: str, cfg: TrainConfig, base: BaseModel, doc_kv, out_url: str,
+def fit(targets_url: str, cfg: TrainConfig, base: BaseLM, doc_kv, out_url: str,
         progress: Callable[[int, int], None] | None = None,
         stop_after: int | None = None) -> tuple[NectarModule, dict]:
     """``train`` that also hands back the trained in-memory module (this process's replica)."""

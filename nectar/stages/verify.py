@@ -306,7 +306,7 @@ def max_similarity(queries: list[str], corpus: list[str], embedder_path: str) ->
 
 
 def _embedder(path: str):
-    from ..models import load_embedder
+    from ..base_model import load_embedder
 
     return load_embedder(path)
 

@@ -17,7 +17,7 @@ import torch
 from ..attention.interface import nectar_attention
 from ..attention.exact import ExactDocState
 from ..attention.state import AttnState
-from ..models import BaseModel
+from ..base_model import BaseLM
 
 # LM-head rows per step: a [rows, V] logit block stays cache-sized instead of one [T, V] tensor
 # (49k vocabulary x 750 tokens is 147 MB, written and re-read three times by topk/logsumexp).
@@ -69,7 +69,7 @@ def pack(sequences: list[list[int]], n: int, device) -> tuple[torch.Tensor, torc
 
 @torch.no_grad()
 def capture_packed(
-    base: BaseModel,
+    base: BaseLM,
     provider: ExactDocState,
     sequences: list[list[int]],  # the pairs' query tokens (instruction + response)
     n: int,
@@ -101,7 +101,7 @@ def capture_packed(
                         topk_ids=top_ids, topk_logprobs=top_lp, logits=full_logits)
 
 
-def _head_topk(base: BaseModel, hidden: torch.Tensor, top_k: int, keep_logits: bool):
+def _head_topk(base: BaseLM, hidden: torch.Tensor, top_k: int, keep_logits: bool):
     """The LM head over ``hidden`` [N, H] in blocks of HEAD_ROWS → top-K ids, log-probs [N, K]."""
     head = base.model.get_output_embeddings()
     ids, lps, kept = [], [], []

@@ -19,7 +19,7 @@ import torch
 
 from ..attention.doc_kv import DocKV
 from ..attention.exact import ExactDocState
-from ..models import BaseModel
+from ..base_model import BaseLM
 from ..training.data import TargetsData, TokenBatch
 from .capture import capture_packed
 
@@ -27,7 +27,7 @@ from .capture import capture_packed
 class OnlineTargets:
     """A value source for ``TargetsData.attach_values``: rows computed from the document KV."""
 
-    def __init__(self, data: TargetsData, base: BaseModel, doc_kv: DocKV, backend: str = "auto",
+    def __init__(self, data: TargetsData, base: BaseLM, doc_kv: DocKV, backend: str = "auto",
                  batch_pairs: int = 64, batch_tokens: int = 2048):
         if doc_kv.n != data.header.n_context:
             raise ValueError(f"document KV has n={doc_kv.n} tokens, the targets n={data.header.n_context}")

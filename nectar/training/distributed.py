@@ -39,7 +39,7 @@ def init_from_env() -> DistInfo:
     """Join the process group torchrun describes in the environment (no-op when run plainly)."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         if torch.cuda.is_available():
-            # one GPU per process: "cuda" (models.py's device "auto") then means this rank's GPU
+            # one GPU per process: "cuda" (base_model.py's device "auto") then means this rank's GPU
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend=backend)

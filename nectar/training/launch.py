@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch threads per process")
     args = ap.parse_args(argv)
 
-    from ..models import load_base_model
+    from ..base_model import load_base_model
     from ..modules.io import load_module
     from ..schemas.config import ModelConfig, TrainConfig
     from ..stages.train import fit

@@ -87,7 +87,7 @@ def _pairs_batch(layout, device):
 
 
 def _load_tiny(name: str, dtype: str):
-    from nectar.models import load_base_model
+    from nectar.base_model import load_base_model
     from nectar.schemas import ModelConfig
 
     return load_base_model(ModelConfig(name=name, dtype=dtype, device="cuda"))

@@ -9,7 +9,7 @@ import pytest
 
 from nectar import comparison, orchestration
 from nectar.comparison.systems import SYSTEMS, System, baselines_available
-from nectar.runs import run_stage
+from nectar.orchestration.executor import run_stage
 from nectar.schemas import ComparisonRow, DatasetRow, load_config
 from nectar.schemas.presets import PRESET_REGIMES
 from nectar.tables import read_table, write_table

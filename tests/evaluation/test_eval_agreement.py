@@ -6,7 +6,7 @@ from nectar.attention.doc_kv import prefill_document
 from nectar.attention.exact import ExactDocState
 from nectar.evaluation.agreement import agreement_scores, greedy_continuations, sentence_embedder
 from nectar.layout import build_layout
-from nectar.models import embedder_path
+from nectar.base_model import embedder_path
 
 DOC = "The lighthouse keeper of Varn Island kept a ledger of every ship that passed. " * 3
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nectar.models import load_base_model
+from nectar.base_model import load_base_model
 from nectar.schemas.config import ModelConfig
 
 

@@ -11,7 +11,7 @@ import xgrammar as xgr
 
 from nectar.llm import ChatRequest, make_backend
 from nectar.llm.local import LocalBackend
-from nectar.models import load_base_model
+from nectar.base_model import load_base_model
 from nectar.prompts import CONSISTENCY_SCHEMA
 from nectar.schemas.config import LLMConfig, ModelConfig
 from float_tolerance import FORWARD, assert_close_reordered, same_greedy_until_near_tie

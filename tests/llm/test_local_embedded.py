@@ -8,7 +8,7 @@ import torch
 from nectar.documents import load_document
 from nectar.llm import ChatRequest
 from nectar.llm.local import LocalBackend
-from nectar.models import load_base_model
+from nectar.base_model import load_base_model
 from nectar.prompts import CONSISTENCY_SCHEMA, answer_prompt
 from nectar.schemas.config import ModelConfig
 from float_tolerance import same_greedy_until_near_tie

@@ -19,7 +19,7 @@ import pytest
 from nectar.llm import ChatRequest
 from nectar.llm.local import LocalBackend
 from nectar.llm.openai_backend import OpenAIBackend
-from nectar.models import embedded_smollm2_dir, load_base_model
+from nectar.base_model import embedded_smollm2_dir, load_base_model
 from nectar.schemas.config import ModelConfig
 
 pytestmark = pytest.mark.slow

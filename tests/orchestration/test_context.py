@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "reliability"))
 from matrix_helpers import run_pipeline, tiny_config  # noqa: E402
 
 from nectar.orchestration import RunDirMismatch, StageInputError, check_inputs_done, check_request  # noqa: E402
-from nectar.runs import RunDir  # noqa: E402
+from nectar.orchestration.executor import RunDir  # noqa: E402
 
 
 def test_only_chunk_on_a_new_run_directory_runs(tmp_path):

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from nectar.runs import RunDir, stage_status
+from nectar.orchestration.executor import RunDir, stage_status
 from nectar.schemas.config import STAGES
 
 pytestmark = pytest.mark.slow

@@ -3,7 +3,7 @@ written by hand (the LLM stages are covered by their own tests and the end-to-en
 import pytest
 
 from nectar import orchestration
-from nectar.runs import run_stage, stage_status
+from nectar.orchestration.executor import run_stage, stage_status
 from nectar.schemas import DatasetRow, load_config
 from nectar.tables import write_table
 
@@ -71,7 +71,7 @@ def test_stage_before_its_inputs_is_refused(tmp_path, document):
 
 @pytest.mark.slow
 def test_sweep_variants_share_the_parent_data_stages(tiny_ctx):
-    from nectar import sweep
+    from nectar.comparison import sweep
 
     orchestration.run_targets(tiny_ctx)
     variants = sweep.expand_variants(tiny_ctx.config, sweep.parse_grid(["arch=mlp,quadrature"]))

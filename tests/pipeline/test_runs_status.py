@@ -12,7 +12,7 @@ import pytest
 from rich.console import Console
 
 from nectar.pipeline.runs_status import available_stages, collect, find_runs, render, status_json
-from nectar.runs import RunDir, now, run_stage
+from nectar.orchestration.executor import RunDir, now, run_stage
 from nectar.schemas.artifacts import ChunkRow, RunManifest
 from nectar.tables import write_json_artifact, write_table
 

@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 from nectar import orchestration
 from nectar.pipeline.errors import classify
-from nectar.runs import RunDir
+from nectar.orchestration.executor import RunDir
 from nectar.schemas.config import STAGES
 from nectar.schemas.presets import load_config
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from matrix_helpers import DOCUMENT, outputs, run_pipeline
 
-from nectar.runs import RunDir, last_invocation
+from nectar.orchestration.executor import RunDir, last_invocation
 from nectar.schemas.artifacts import DatasetRow
 from nectar.schemas.config import STAGES
 from nectar.tables import read_table

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from matrix_helpers import DOCUMENT, cli, outputs, run_pipeline
 
-from nectar.runs import RunDir, stage_status
+from nectar.orchestration.executor import RunDir, stage_status
 from nectar.schemas.artifacts import DatasetRow, PairRow
 from nectar.tables import ArtifactError, read_table
 

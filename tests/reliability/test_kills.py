@@ -18,7 +18,7 @@ import pytest
 from matrix_helpers import outputs, run_pipeline
 from safetensors.numpy import load_file
 
-from nectar.runs import RunDir, stage_status
+from nectar.orchestration.executor import RunDir, stage_status
 from nectar.schemas.artifacts import DatasetRow, MetricsRow, PairRow
 from nectar.schemas.config import STAGES
 from nectar.stages.verify import AnswerRow

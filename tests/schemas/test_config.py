@@ -13,7 +13,7 @@ import pytest
 from pydantic import ValidationError
 
 from nectar.orchestration import default_run_dir
-from nectar.runs import cache_key
+from nectar.orchestration.executor import cache_key
 from nectar.schemas.base import FrozenConfig, stable_hash
 from nectar.schemas.config import (
     ChunkConfig, LLMConfig, ModelConfig, PipelineConfig, TargetsConfig, TrainConfig,

@@ -19,7 +19,7 @@ QA = [("Who bought the island?", "Captain Ilse Brandt bought Varn Island."),
 
 def build_served_run(root: Path) -> str:
     from nectar import orchestration
-    from nectar.runs import run_stage
+    from nectar.orchestration.executor import run_stage
     from nectar.schemas import DatasetRow, load_config
     from nectar.tables import write_table
 

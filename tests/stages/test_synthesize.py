@@ -16,7 +16,7 @@ from stage_helpers import Counting, CrashAfter, Recording, SimulatedKill
 from nectar.llm import ChatResult, LLMUnavailableError
 from nectar.llm.local import LocalBackend
 from nectar.llm.openai_backend import OpenAIBackend
-from nectar.models import load_base_model
+from nectar.base_model import load_base_model
 from nectar.schemas.artifacts import PairRow
 from nectar.schemas.config import TASK_TYPES, ChunkConfig, LLMConfig, ModelConfig, SynthesizeConfig
 from nectar.stages.chunk import chunk_document
@@ -160,7 +160,7 @@ CHILD = """
 import sys, torch
 torch.set_num_threads(1)
 from nectar.llm.local import LocalBackend
-from nectar.models import load_base_model
+from nectar.base_model import load_base_model
 from nectar.schemas.config import ChunkConfig, ModelConfig
 from nectar.stages.chunk import chunk_document
 sys.path.insert(0, {tests!r})

@@ -62,7 +62,7 @@ def test_targets_of_another_model_are_refused(tiny_qwen3, targets, tmp_path):
 _CHILD = """
 import sys, time, torch
 torch.set_num_threads(2)  # as the parent (tests/conftest.py): same kernels, same bits
-from nectar.models import load_base_model
+from nectar.base_model import load_base_model
 from nectar.schemas import ModelConfig
 from nectar.schemas.config import TrainConfig
 from nectar.stages.train import train

@@ -12,7 +12,7 @@ from nectar.layout import ContextTooLongError
 from nectar.llm import ChatResult, LLMUnavailableError
 from nectar.llm.local import LocalBackend
 from nectar.llm.openai_backend import OpenAIBackend
-from nectar.models import embedder_path, load_base_model
+from nectar.base_model import embedder_path, load_base_model
 from nectar.schemas.artifacts import DatasetRow, PairRow
 from nectar.schemas.config import LLMConfig, ModelConfig, VerifyConfig
 from nectar.stages.verify import (VerifyError, _seed, apply_floor, deduplicate, mark_challenge, parse_judgment,

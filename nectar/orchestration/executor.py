@@ -22,12 +22,12 @@ from typing import Any, Callable
 
 import fsspec
 
-from . import __version__, integrity
-from .schemas.artifacts import StageManifest
-from .schemas.base import FrozenConfig, stable_hash
-from .schemas.config import STAGES
-from .storage import atomic_write, written_digests
-from .tables import ArtifactError, read_json_artifact, write_json_artifact
+from .. import __version__, integrity
+from ..schemas.artifacts import StageManifest
+from ..schemas.base import FrozenConfig, stable_hash
+from ..schemas.config import STAGES
+from ..storage import atomic_write, written_digests
+from ..tables import ArtifactError, read_json_artifact, write_json_artifact
 
 CODE_VERSION = __version__
 

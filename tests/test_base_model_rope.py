@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config
 
-from nectar.models import ModelLoadError, apply_rope_scaling, load_base_model
+from nectar.base_model import ModelLoadError, apply_rope_scaling, load_base_model
 from nectar.schemas import ModelConfig
 from nectar.schemas.presets import ConfigError, load_config
 
@@ -62,7 +62,7 @@ def test_smollm2_window_doubles_with_yarn_factor_2(tmp_path):
     """The issue's crash, on the embedded model's own config (no weights needed)."""
     from transformers import AutoConfig
 
-    from nectar.models import embedded_smollm2_dir
+    from nectar.base_model import embedded_smollm2_dir
 
     cfg = AutoConfig.from_pretrained(embedded_smollm2_dir())
     theta = cfg.rope_parameters["rope_theta"]

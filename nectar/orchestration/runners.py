@@ -1,5 +1,5 @@
 """Stage wiring: each ``run_<stage>`` resolves its inputs from the upstream manifests, builds the
-stage's cache key and calls the pure stage function through ``runs.run_stage``."""
+stage's cache key and calls the pure stage function through ``executor.run_stage``."""
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -7,7 +7,7 @@ from typing import Any, Callable
 import fsspec
 
 from .. import integrity
-from ..runs import Repair, RunDir, StageOutcome, StageResult, check_stage, run_stage
+from .executor import Repair, RunDir, StageOutcome, StageResult, check_stage, run_stage
 from ..schemas.artifacts import ChunkRow, DatasetRow, PairRow
 from ..schemas.config import STAGES
 from ..tables import ArtifactError, read_table
@@ -145,7 +145,7 @@ def run_synthesize(ctx: RunContext, force: bool = False) -> StageOutcome:
 
 def run_verify(ctx: RunContext, force: bool = False) -> StageOutcome:
     from ..llm import make_backend
-    from ..models import embedder_path
+    from ..base_model import embedder_path
     from ..stages.verify import verify
 
     inputs = _upstream_outputs(ctx, "verify")

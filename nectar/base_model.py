@@ -36,7 +36,7 @@ def cache_dir() -> Path:
 
 
 @dataclass(frozen=True)
-class BaseModel:
+class BaseLM:
     """A loaded base model with the facts every stage needs about it."""
 
     model: torch.nn.Module
@@ -268,7 +268,7 @@ def _resolve_device(device: str) -> torch.device:
 
 
 @functools.lru_cache(maxsize=4)
-def load_base_model(cfg: ModelConfig) -> BaseModel:
+def load_base_model(cfg: ModelConfig) -> BaseLM:
     """Load (and cache per process) the base model a run is configured with."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -306,7 +306,7 @@ def load_base_model(cfg: ModelConfig) -> BaseModel:
         tok.pad_token = tok.eos_token
     c = model.config
     window = cfg.max_context_tokens or int(c.max_position_embeddings)  # scaled by apply_rope_scaling
-    return BaseModel(
+    return BaseLM(
         model=model, tokenizer=tok, name=cfg.name, weights_hash=_weights_fingerprint(model, folder),
         num_layers=c.num_hidden_layers, num_q_heads=c.num_attention_heads,
         num_kv_heads=c.num_key_value_heads,

@@ -10,14 +10,14 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
-from .orchestration import RunContext, read_eval_tables
-from .runs import RunDir, now, slug
-from .schemas.artifacts import RunManifest
-from .schemas.base import stable_hash
-from .schemas.config import PipelineConfig
-from .schemas.presets import ConfigError, deep_merge, parse_override, regime_overlay
-from .storage import atomic_write
-from .tables import write_json_artifact
+from ..orchestration import RunContext, read_eval_tables
+from ..orchestration.executor import CODE_VERSION, RunDir, now, slug
+from ..schemas.artifacts import RunManifest
+from ..schemas.base import stable_hash
+from ..schemas.config import PipelineConfig
+from ..schemas.presets import ConfigError, deep_merge, parse_override, regime_overlay
+from ..storage import atomic_write
+from ..tables import write_json_artifact
 
 # Short grid names for the paper's axes; any dotted config key works too.
 ALIASES = {"arch": "train.module.arch", "rho": "train.module.rho", "lambda_kl": "train.lambda_kl",
@@ -95,8 +95,6 @@ def prepare_variant(parent: RunContext, variant: Variant) -> RunContext:
 
 
 def parent_code_version() -> str:
-    from .runs import CODE_VERSION
-
     return CODE_VERSION
 
 

@@ -1,4 +1,4 @@
-"""nectar.runs: run directories, manifests written last, cache-keyed stage execution and failure records.
+"""nectar.orchestration.executor: run directories, manifests written last, cache-keyed stage execution and failure records.
 
 Everything runs for real on a tmp directory: stage bodies write real files, manifests are real JSON.
 """
@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from nectar.runs import (
+from nectar.orchestration.executor import (
     CODE_VERSION, RunDir, StageFailed, cache_key, doc_id_for, hash_url, last_invocation, record_failure, run_stage,
     slug, stage_status,
 )
