@@ -13,6 +13,9 @@ counted the same way (every saved tensor).
                       most attention mass from the training queries (offline H2O/SnapKV-style eviction)
   attention_matching  those same keys with a fitted log-mass bias β (NNLS) and least-squares values
                       (Zweiger et al. 2026); p_ℓ = P_ℓ / (2d + 1) so the biases fit in the budget
+  attention_matching_kv  the β-free refit: keys selected as for evict, least-squares values with no
+                      bias, and the SAME p in every layer (the plan's total over 2d per head and layer):
+                      plain KV of m = p pseudo-tokens, which vLLM serves (nectar.serving.vllm_state)
 
 p_ℓ follows the module plan's per-layer budgets P_ℓ (layer multipliers included), so a baseline and
 a module of the same ρ store the same number of parameters (up to one pair of rounding per head);
@@ -33,8 +36,8 @@ from ..modules.provider import ModuleDocState, group_queries
 from .attention_matching import fit_log_mass, fit_values
 from .selection import KeyScore, attention_probs, key_scores, top_keys
 
-BaselineName = Literal["truncate", "evict", "attention_matching"]
-BASELINES: tuple[str, ...] = ("truncate", "evict", "attention_matching")
+BaselineName = Literal["truncate", "evict", "attention_matching", "attention_matching_kv"]
+BASELINES: tuple[str, ...] = ("truncate", "evict", "attention_matching", "attention_matching_kv")
 MAX_FIT_TOKENS = 2048  # training query tokens for selection and fitting (seeded sample above; 1k-4k: same fit)
 
 
@@ -70,6 +73,9 @@ def baseline_plan(name: str, plan: ModulePlan) -> ModulePlan:
     if name == "truncate":
         p = max(1, min(n, round(plan.rho * n)))  # same tokens in every layer
         pairs = (p,) * plan.num_layers
+    elif name == "attention_matching_kv":  # plain KV: one count for every layer, the plan's total bytes
+        p = max(1, min(n, sum(plan.budgets) // (2 * d * plan.num_layers)))
+        pairs = (p,) * plan.num_layers
     else:
         per_pair = 2 * d + (1 if name == "attention_matching" else 0)
         pairs = tuple(max(1, min(n, b // per_pair)) for b in plan.budgets)
@@ -82,7 +88,8 @@ def fit_baseline(name: str, doc_kv, targets_url: str, plan: ModulePlan, seed: in
     """Fit baseline ``name`` on the document KV and the targets' training queries (seconds)."""
     qplan = baseline_plan(name, plan)
     module = build_module(qplan)
-    init = {"truncate": "first", "evict": "evict", "attention_matching": "attention_matching"}[name]
+    init = {"truncate": "first", "evict": "evict", "attention_matching": "attention_matching",
+            "attention_matching_kv": "attention_matching_kv"}[name]
     data = None if init == "first" else training_queries(targets_url, seed, max_tokens or MAX_FIT_TOKENS)
     init_quadrature(module, qplan, init, doc_kv, data, score)
     return FittedBaseline(name, module.eval(), qplan)
@@ -123,7 +130,7 @@ def init_quadrature(module: NectarModule, plan: ModulePlan, init: str, doc_kv, d
     p most-attended rows (``evict``), or those rows with Attention Matching's β and values."""
     if plan.arch != "quadrature":
         raise ValueError(f"init {init!r} is for quadrature modules, not {plan.arch!r}")
-    if init not in ("first", "evict", "attention_matching"):
+    if init not in ("first", "evict", "attention_matching", "attention_matching_kv"):
         raise ValueError(f"unknown quadrature init {init!r}")
     if init == "attention_matching" and not plan.quad_bias:
         raise ValueError("attention_matching init fits a log-mass bias: set train.module.bias=true")
@@ -148,6 +155,9 @@ def init_quadrature(module: NectarModule, plan: ModulePlan, init: str, doc_kv, d
                 W.append(keys[h, idx]), Z.append(values[h, idx]), B.append(torch.zeros(p))
                 continue
             mass = probs[:, idx]  # [T·g, p]
+            if init == "attention_matching_kv":  # β = 0: only the values are refit
+                W.append(keys[h, idx]), Z.append(fit_values(mass, torch.zeros(p), A[:, h], values[h, idx]).float())
+                continue
             beta = fit_log_mass(mass)
             W.append(keys[h, idx]), Z.append(fit_values(mass, beta, A[:, h], values[h, idx]).float())
             B.append(beta.float())
