@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -99,10 +100,12 @@ def equivalence(base: BaseLM, layout: PromptLayout, state_path: str, url: str, m
     provider, n = torch_provider(state_path, base)
     m = int(check_state(state_path, base.weights_hash)["m"])
     prompts = [layout.prompt(text).ids for text in instructions]
+    with ThreadPoolExecutor(max_workers=16) as pool:  # in flight together: vLLM batches them
+        choices = list(pool.map(lambda p: vllm_complete(url, model, [placeholder_id] * m + p, new_tokens, doc_id,
+                                                         logprobs=top_k), prompts))
     torch_out = generate(base, provider, n, prompts, new_tokens, stop_ids=()).tokens
     same, kl_sums, counts, rests, first = [], [], [], [], []
-    for prompt, mine in zip(prompts, torch_out):
-        choice = vllm_complete(url, model, [placeholder_id] * m + prompt, new_tokens, doc_id, logprobs=top_k)
+    for prompt, mine, choice in zip(prompts, torch_out, choices):
         theirs = token_ids(choice)
         diff = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), None)
         if diff is None and len(mine) != len(theirs):
