@@ -14,7 +14,7 @@ The first three are ``nectar.evaluation.benchmark.run_benchmark``, the evaluate 
 defaults, so the stage's table and this one measure the same thing. The module is compared with the
 faster of the two full-cache paths (``best``), cold and prefix-cached.
 
-Every decode rate is also printed as a fraction of its memory-bandwidth bound (DESIGN.md §12):
+Every decode rate is also printed as a fraction of its memory-bandwidth bound (docs/design.md §12):
 bytes read per decode step = the model's weights + the module, or + the document's KV (read once per
 step), over a bandwidth this script measures (the read rate of a sum over 512 MiB, torch threads as
 set) unless --bandwidth-gbs is given. The TTFT bound against the prefix cache is the arithmetic one,

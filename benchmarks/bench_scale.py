@@ -190,7 +190,8 @@ def child_train(args) -> dict:
     from nectar.attention.doc_kv import DocKV
     from nectar.schemas.config import ModuleConfig, TrainConfig
     from nectar.stages import train as train_stage
-    from nectar.training import data as data_mod
+    from nectar.targets import reader as data_mod
+    from nectar.training import fit as fit_mod
 
     base = load_model(args)
     rss_load = rss_mb()
@@ -216,9 +217,9 @@ def child_train(args) -> dict:
                 return data_mod.TokenBatch(*(torch.from_numpy(np.ascontiguousarray(self._all[k][index]))
                                              for k in ("q", "alpha", "A")))
 
-        train_stage.TargetsData = InMemory
-    stats = train_stage.target_statistics
-    train_stage.target_statistics = lambda data, hkv, seed=0: stats(data, hkv, max_tokens=1024, seed=seed)
+        fit_mod.TargetsData = InMemory
+    stats = fit_mod.target_statistics
+    fit_mod.target_statistics = lambda data, hkv, seed=0: stats(data, hkv, max_tokens=1024, seed=seed)
     batch = 4 if args.kl else 64
     steps = max(3, args.steps)  # timed between the 1st and the last step (which also evaluates)
     cfg = TrainConfig(samples=steps * batch, batch_size=batch, lambda_kl=2.0 if args.kl else 0.0,
@@ -518,7 +519,7 @@ def report(args, cap, stores, runs, amp, rss_pairs, big, tokens, load0, t_start)
 def online_amplification(store: Path, batch: int, steps: int) -> float:
     """Pair-prefix tokens the online source runs per token of a random token batch (no model needed:
     the same grouping OnlineTargets does)."""
-    from nectar.training.data import TargetsData
+    from nectar.targets.reader import TargetsData
 
     d = TargetsData(str(store))
     stream = d.stream("train", by_pairs=False, seed=0)

@@ -43,7 +43,7 @@ from nectar.schemas.presets import load_config  # noqa: E402
 from nectar.stages.targets import build_targets  # noqa: E402
 from nectar.stages.train import train  # noqa: E402
 from nectar.tables import read_table  # noqa: E402
-from nectar.training.data import TargetsData  # noqa: E402
+from nectar.targets.reader import TargetsData  # noqa: E402
 from nectar.training.loop import micro_batches  # noqa: E402
 
 REGIMES = ("regression", "mixed", "distill", "cartridges")

@@ -1,4 +1,4 @@
-"""The prompt layout (DESIGN.md §3): a fixed document prefix and a per-pair query part.
+"""The prompt layout (docs/design.md §3): a fixed document prefix and a per-pair query part.
 
 The model's own chat template is rendered with sentinels where the instruction and response go and
 split there, so the context/query boundary is identical for every pair and every model:

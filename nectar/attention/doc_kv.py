@@ -1,6 +1,6 @@
 """The document's KV cache: computed once per (model, document), persisted, reused everywhere.
 
-``prefill_document`` runs the document through the model once (DESIGN.md §3: never per pair);
+``prefill_document`` runs the document through the model once (docs/design.md §3: never per pair);
 ``save_doc_kv`` / ``load_doc_kv`` persist it with the model and document it belongs to. The exact
 document state over it is ``nectar.attention.exact.ExactDocState``.
 """

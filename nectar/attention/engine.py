@@ -1,4 +1,4 @@
-"""The one decode engine: batched sampling over query tokens with a document provider (DESIGN.md §12).
+"""The one decode engine: batched sampling over query tokens with a document provider (docs/design.md §12).
 
 Used by ``nectar ask``, evaluate's generations, the generation benchmark, the local LLM backend and
 the server. A batch of requests (prompts of different lengths, each with its own token budget,

@@ -1,6 +1,6 @@
 """The exact document state provider: (A, α) computed from the document's KV cache.
 
-With it, the query-only forward IS the full-context model (DESIGN.md §2, the oracle): the document
+With it, the query-only forward IS the full-context model (docs/design.md §2, the oracle): the document
 is prefilled once (``doc_kv.prefill_document``) and every batch of queries attends to that one copy.
 """
 from __future__ import annotations

@@ -3,7 +3,7 @@
 ``provider`` = ExactDocState(doc_kv)    → the full-context model (exact, document prefilled once)
 ``provider`` = ModuleDocState(module)   → the NECTAR-plugged model (no document KV at all)
 ``provider`` = None                     → the no-document model
-Query tokens always sit at positions n … n+m-1 (DESIGN.md §3). Sampling is ``engine.generate``.
+Query tokens always sit at positions n … n+m-1 (docs/design.md §3). Sampling is ``engine.generate``.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """torch's fused attention kernels that also return the log-sum-exp, behind device checks.
 
-An attention *state* needs the lse as well as the output (DESIGN.md §2); ``F.scaled_dot_product_attention``
+An attention *state* needs the lse as well as the output (docs/design.md §2); ``F.scaled_dot_product_attention``
 returns only the output, so these call the aten kernels underneath it directly: the flash kernel on
 CUDA (bf16/fp16) and torch's CPU flash kernel (any float dtype, optional mask).
 """

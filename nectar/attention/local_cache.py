@@ -1,4 +1,4 @@
-"""The decode engine's local KV cache and the attention over it (DESIGN.md §2, §12).
+"""The decode engine's local KV cache and the attention over it (docs/design.md §2, §12).
 
 With a document provider only the question's and the answer's own tokens are cached ("local"); the
 document's part of every attention layer comes from the provider as a state (A, a). ``LocalKV``

@@ -1,4 +1,4 @@
-"""``nectar compare``: every system at equal bytes on one run's held-out pairs (DESIGN.md §11).
+"""``nectar compare``: every system at equal bytes on one run's held-out pairs (docs/design.md §11).
 
 systems.py  the registry of systems (reference, trained regimes, closed-form baselines)
 run.py      plan → train what is missing → fit baselines → score with paired intervals → write

@@ -33,7 +33,8 @@ from ..schemas.config import PipelineConfig
 from ..schemas.presets import ConfigError
 from ..storage import atomic_write
 from ..tables import ArtifactError, read_json_artifact, read_table, write_table
-from ..targets.store import open_targets
+from ..targets.store import open_targets, targets_zarr_url
+from .sweep import Variant, prepare_variant
 from .systems import System, resolve, trained_config
 
 ProgressFactory = Callable[[str], Callable[[int, int], None]]
@@ -116,7 +117,7 @@ def open_for_compare(run_dir: str, progress: ProgressFactory | None = None) -> R
 
 
 def _dims(ctx: RunContext) -> dict[str, Any]:
-    _, h = open_targets(ctx.stage_run("targets").url("targets", "targets.zarr"))
+    _, h = open_targets(targets_zarr_url(ctx.stage_run("targets").url("targets")))
     return dict(num_layers=h.num_layers, num_kv_heads=h.num_kv_heads, head_dim=h.head_dim, n_context=h.n_context,
                 scaling=h.scaling)
 
@@ -169,8 +170,6 @@ def _same_training(a: PipelineConfig, b: PipelineConfig) -> bool:
 def variant_for(parent: RunContext, name: str, config: PipelineConfig) -> RunContext:
     """The run directory whose train stage trains ``config``: the parent itself, an existing variant
     with the same training settings, or a new variant directory (sharing the parent's data stages)."""
-    from .sweep import Variant, prepare_variant
-
     if _same_training(parent.config, config):
         return parent
     fs = parent.run.fs
@@ -256,7 +255,7 @@ def score_and_write(ctx: RunContext, jobs: list[Job], progress: ProgressFactory 
         fit_bar(i + 1, len(jobs))
     timings["load_and_fit_s"] = time.perf_counter() - t0
     targets = ctx.stage_run("targets").url("targets")
-    g, _ = open_targets(f"{targets}/targets.zarr")
+    g, _ = open_targets(targets_zarr_url(targets))
     target_rows = read_table(f"{targets}/pairs.parquet", TargetsPairRow)
     sel = select_pairs(target_rows, g["token_ids"][:], cfg, evaluated_splits(target_rows, cfg))
     providers = {"full": obtained["full"].provider if "full" in obtained else ExactDocState(doc_kv), "none": None,

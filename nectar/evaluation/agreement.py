@@ -1,4 +1,4 @@
-"""Judge-free generation agreement with the full-context model (DESIGN.md §11).
+"""Judge-free generation agreement with the full-context model (docs/design.md §11).
 
 Every system and the full-context model continue the same prompts greedily (a pair's query tokens up
 to its response: the instruction in the prompt layout); each system's continuation is compared with

@@ -82,7 +82,7 @@ def same_architecture(base: BaseLM, plan: ModulePlan, seed: int = 0) -> ModuleFa
             kv = prefill_document(base, list(context_ids)[: max(p.quad_pairs)])
             keys, values = kv.keys, kv.values
         module = build_module(p, keys, values, seed=seed).to(device=base.device, dtype=base.dtype).eval()
-        nbytes = sum(t.numel() * t.element_size() for t in module.state_dict().values())
+        nbytes = module.nbytes()
         note = f"random-init {p.arch} module of the same architecture (rho={p.rho:g}); timing only"
         return BenchModule(inference_provider(module, base.dtype), nbytes, note)
 

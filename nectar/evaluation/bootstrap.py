@@ -1,4 +1,4 @@
-"""Paired bootstrap intervals over pairs (DESIGN.md §11).
+"""Paired bootstrap intervals over pairs (docs/design.md §11).
 
 Tokens within a pair share one instruction and one answer, so they are correlated: an interval that
 resampled tokens would be too narrow. These intervals resample whole PAIRS. Every metric here is a

@@ -1,4 +1,4 @@
-"""LLM access: one chat interface (``ChatBackend.chat_many``), two backends (DESIGN.md §7).
+"""LLM access: one chat interface (``ChatBackend.chat_many``), two backends (docs/design.md §7).
 
     backend = make_backend(cfg.synthesize.llm, cfg.model)
     results = backend.chat_many([make_request(cfg.synthesize.llm, "Hello")])

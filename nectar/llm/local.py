@@ -1,5 +1,5 @@
 """In-process chat backend: batched generation with transformers, xgrammar constraints, and one
-shared-prefix KV cache reused across requests (DESIGN.md §7).
+shared-prefix KV cache reused across requests (docs/design.md §7).
 
 How a call runs: every prompt is rendered with the model's chat template and tokenized; the
 longest token prefix shared by all prompts (in verification: template + instructions + the whole

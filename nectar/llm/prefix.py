@@ -3,7 +3,7 @@
 Verification asks hundreds of questions about the same document: every prompt is
 ``template + document + question``. The document part is prefilled ONCE into a KV cache, kept in a
 small LRU keyed by the prefix's token hash, and every batch of questions runs on top of a batch
-expansion-free view of it — the document is never prefilled per request (DESIGN.md §3).
+expansion-free view of it — the document is never prefilled per request (docs/design.md §3).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The one chat interface every stage talks to (DESIGN.md §7).
+"""The one chat interface every stage talks to (docs/design.md §7).
 
 A ChatRequest says what to ask and how to sample; a ChatResult is what came back. Backends take a
 list of requests and return one result per request, in order, and never raise for one bad

@@ -1,4 +1,4 @@
-"""NECTAR modules (DESIGN.md §6): per (layer, KV head) score a(q) and target A(q) networks.
+"""NECTAR modules (docs/design.md §6): per (layer, KV head) score a(q) and target A(q) networks.
 
 MLP and Quadrature families, budgets from ρ, the provider that plugs a module into the attention
 core, and safetensors + JSON spec storage.

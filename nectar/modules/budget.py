@@ -1,4 +1,4 @@
-"""Parameter budgets (DESIGN.md §6, paper App. A.4 "Capacity allocation").
+"""Parameter budgets (docs/design.md §6, paper App. A.4 "Capacity allocation").
 
 ρ is a fraction of one KV head's document cache, 2·n·d entries, so a module at ρ has
 ρ·2·n·d parameters per (layer, KV head). Layers are split into contiguous groups with multipliers

@@ -149,6 +149,11 @@ class NectarModule(nn.Module):
     def n_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
+    def nbytes(self) -> int:
+        """Bytes of everything the module stores (parameters and normalisation buffers): what its
+        saved file holds, and what a baseline or a benchmark module is sized by."""
+        return sum(t.numel() * t.element_size() for t in self.state_dict().values())
+
 
 def build_module(plan: ModulePlan, doc_keys: list[torch.Tensor] | None = None,
                  doc_values: list[torch.Tensor] | None = None, seed: int = 0) -> NectarModule:

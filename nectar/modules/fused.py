@@ -1,7 +1,7 @@
 """The inference form of a trained module: the same function in a handful of kernels per layer.
 
 Decoding evaluates the module at every layer for every token, where launch overhead, not
-arithmetic, is the cost (DESIGN.md §12). ``fuse_module`` rewrites each layer once, at load time:
+arithmetic, is the cost (docs/design.md §12). ``fuse_module`` rewrites each layer once, at load time:
 
 * the per-head normalisation of q is folded into every weight that reads q, and that of the
   outputs (α and A) into the output layers: qn·M + c = q·(M/σ_q) + (c − (μ_q/σ_q)·M) and

@@ -34,8 +34,7 @@ def make_spec(module: NectarModule, plan: ModulePlan, base_model: str, base_mode
     (parameters and normalisation buffers) against 2·n·d·L·Hkv cache entries.
     """
     elem = next(module.parameters()).element_size()
-    tensors = list(module.state_dict().values())
-    module_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    module_bytes = module.nbytes()
     kv_entries = 2 * plan.n_context * plan.head_dim * plan.num_layers * plan.num_kv_heads
     return ModuleSpec(
         base_model=base_model, base_model_hash=base_model_hash, doc_sha256=doc_sha256,

@@ -1,4 +1,4 @@
-"""The module as a document-state provider for ``nectar.attention`` (DESIGN.md §2, "Blend").
+"""The module as a document-state provider for ``nectar.attention`` (docs/design.md §2, "Blend").
 
 The attention core asks ``provider(layer, q [b, hq, m, d], scaling)`` for the document's state per
 query head; a module predicts it per KV head, so query heads are grouped by the KV head they

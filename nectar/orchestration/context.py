@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from ..documents import load_document
 from ..layout import ContextTooLongError
-from .executor import RunDir, doc_id_for, now, slug
+from .executor import CODE_VERSION, RunDir, doc_id_for, now, slug
 from ..schemas.artifacts import DocumentInfo, RunManifest
 from ..schemas.base import stable_hash
 from ..schemas.config import PipelineConfig
@@ -157,8 +157,6 @@ def open_run(run_dir: str, progress: ProgressFactory = _no_progress) -> RunConte
 
 
 def _code_version() -> str:
-    from .executor import CODE_VERSION
-
     return CODE_VERSION
 
 

@@ -1,4 +1,4 @@
-"""Run directories, stage manifests and cache-keyed stage execution (DESIGN.md §4).
+"""Run directories, stage manifests and cache-keyed stage execution (docs/design.md §4).
 
     runs/<doc-id>/<run-id>/
         run.json                 RunManifest
@@ -125,11 +125,19 @@ class StageOutcome:
     outputs: dict[str, str] = field(default_factory=dict)
 
 
-class StageFailed(RuntimeError):
-    def __init__(self, stage: str, message: str):
-        super().__init__(f"stage {stage!r} failed: {message}")
-        self.stage = stage
-        self.message = message
+class StageError(Exception):
+    """A stage failed, and its failure is recorded in the run directory (``<stage>/error.json``).
+
+    ``stage`` names the stage and ``cause`` is what it raised (also ``__cause__``): the CLI's one line
+    names the stage and classifies the cause (``nectar.pipeline.errors``). ``KeyboardInterrupt`` and
+    other non-``Exception`` exits are recorded too but pass through unwrapped."""
+
+    def __init__(self, stage: str, cause: BaseException):
+        super().__init__(stage, cause)  # both in args: the exception pickles (Prefect results)
+        self.stage, self.cause = stage, cause
+
+    def __str__(self) -> str:
+        return str(self.cause)
 
 
 # What a stage body returns: the output files (relative to the stage dir) and its counts.
@@ -208,12 +216,9 @@ def run_stage(
             _record_invocation(run, stage, "failed")
         except OSError as record_exc:  # e.g. the disk that made the stage fail is full: report the stage's error
             notify(f"{stage}: could not record the failure in {run.url(stage)} ({record_exc})")
-        try:
-            exc._nectar_recorded = True  # so callers don't record it twice
-            exc._nectar_stage = stage  # so the CLI's one line names the stage
-        except AttributeError:
-            pass
-        raise
+        if not isinstance(exc, Exception):
+            raise
+        raise StageError(stage, exc) from exc
     outputs = {name: integrity.output_digest(digests, name) for name in files}
     cfg = config.cache_dict() if isinstance(config, FrozenConfig) else config
     manifest = StageManifest(
@@ -257,16 +262,15 @@ def _remove_damaged(run: RunDir, stage: str, manifest: StageManifest, damaged: l
             fs.rm(target, recursive=True)
 
 
-def record_failure(run: RunDir, stage: str, exc: BaseException) -> None:
-    """For failures before a stage's body started (bad inputs, imports): same traces as in-body ones."""
-    if getattr(exc, "_nectar_recorded", False):
-        return
+def record_failure(run: RunDir, stage: str, exc: BaseException) -> BaseException:
+    """For failures before a stage's body started (bad inputs, imports): the same traces as in-body
+    ones. Returns what to raise: a ``StageError`` naming the stage (``exc`` itself when it already is
+    one, recorded by ``run_stage``, or when it is no ``Exception``, e.g. ``KeyboardInterrupt``)."""
+    if isinstance(exc, StageError):
+        return exc
     run.write_error(stage, f"{type(exc).__name__}: {exc}")
     _record_invocation(run, stage, "failed")
-    try:
-        exc._nectar_recorded, exc._nectar_stage = True, stage
-    except AttributeError:
-        pass
+    return StageError(stage, exc) if isinstance(exc, Exception) else exc
 
 
 def _record_invocation(run: RunDir, stage: str, status: str) -> None:

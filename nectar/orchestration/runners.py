@@ -178,6 +178,7 @@ def run_targets(ctx: RunContext, force: bool = False) -> StageOutcome:
     from ..stages.targets import build_targets, plan_pairs, targets_size
     from ..tables import write_table
     from ..targets.size import check_budget
+    from ..targets.store import STORE_NAME, repair_shards, targets_zarr_url
 
     inputs = _upstream_outputs(ctx, "targets")
 
@@ -203,12 +204,12 @@ def run_targets(ctx: RunContext, force: bool = False) -> StageOutcome:
                                backend=ctx.config.model.attention_backend, progress=ctx.progress("targets"),
                                planned=planned)
         counts.update(doc_kv_bytes=doc_kv.nbytes(), estimated_bytes=size.total,
-                      bytes_written=_bytes_under(f"{url}/targets.zarr"))
+                      bytes_written=_bytes_under(targets_zarr_url(url)))
         counts["probes_held_out"] = sum(p.split == "probes" for p in probes)
         counts["probes_train"] = sum(p.split == "train" for p in probes) if cfg.probes.train else 0
-        return ["targets.zarr", "pairs.parquet", "probes.parquet", "doc_kv.safetensors"], counts
+        return [STORE_NAME, "pairs.parquet", "probes.parquet", "doc_kv.safetensors"], counts
 
-    return _run(ctx, "targets", _stage_config(ctx, "targets"), inputs, body, force, repair=_repair_targets)
+    return _run(ctx, "targets", _stage_config(ctx, "targets"), inputs, body, force, repair=repair_shards)
 
 
 def run_train(ctx: RunContext, force: bool = False) -> StageOutcome:
@@ -217,8 +218,7 @@ def run_train(ctx: RunContext, force: bool = False) -> StageOutcome:
     inputs = _upstream_outputs(ctx, "train")
 
     def body(url: str):
-        from ..stages.train import targets_zarr_url
-        from ..targets.store import open_targets
+        from ..targets.store import open_targets, targets_zarr_url
 
         base = load_base(ctx.config)
         targets = ctx.stage_run("targets").url("targets")
@@ -298,38 +298,6 @@ def _bytes_under(url: str) -> int:
 
     fs, path = fsspec.core.url_to_fs(url)
     return int(fs.du(path))
-def _repair_targets(stage_url: str, changes: list[integrity.Change]) -> list[integrity.Change]:
-    """Redo only the damaged shards of the targets group: delete them and move the group's
-    ``written_tokens`` back to the first damaged shard, so the stage resumes from there.
-    Anything else (its metadata, other files) is left to the default: removed and rebuilt."""
-    import zarr
-
-    from ..targets.store import open_store
-
-    zarr_changes = [c for c in changes if c.path.startswith("targets.zarr/")]
-    if not zarr_changes or any(c.path.endswith("zarr.json") for c in zarr_changes):
-        return changes
-    zurl = f"{stage_url.rstrip('/')}/targets.zarr"
-    try:
-        g = zarr.open_group(open_store(zurl), mode="r+", zarr_format=3)
-        starts = []
-        for c in zarr_changes:
-            name, _, rest = c.path[len("targets.zarr/"):].partition("/")
-            if g[name].shards is None:  # pair_offsets / pair_split: rewritten whole at the end
-                continue
-            index = int(rest.split("/")[1])  # "<array>/c/<i>/0/..." (zarr v3 default chunk keys)
-            starts.append(index * g[name].shards[0])
-        written = int(g.attrs["written_tokens"])
-    except Exception:  # a layout this doesn't know: rebuild the whole group
-        return changes
-    fs, base = fsspec.core.url_to_fs(zurl)
-    for c in zarr_changes:
-        if fs.exists(f"{base}/{c.path[len('targets.zarr/'):]}"):
-            fs.rm(f"{base}/{c.path[len('targets.zarr/'):]}")
-    g.attrs["written_tokens"] = min(written, *starts)
-    return [c for c in changes if c not in zarr_changes]
-
-
 def _document_kv(ctx: RunContext, base, layout, kv_url: str):
     """The document KV, prefilled once per (model, document): reused from an interrupted attempt of
     this same stage when its header matches, rebuilt when it was made for another model/document."""

@@ -14,6 +14,7 @@ from rich.table import Table
 
 from ..schemas.config import STAGES
 from . import deploy as ops
+from . import operations
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="NECTAR: per-document modules that replace attention over a long document's KV cache.")
@@ -200,7 +201,7 @@ def ask(
     debug: bool = typer.Option(False, "--debug", help="Show the traceback of an error."),
 ) -> None:
     """Answer a question from the trained module, without the document in the context (streams)."""
-    from ..ask import ask as ask_module
+    from ..serving.ask import ask as ask_module
     from .errors import reported
 
     with reported(debug, _error_line):
@@ -314,7 +315,7 @@ def _print_comparison(run) -> None:
                     soft_wrap=True)
 
 
-# ----- operations against a Prefect server: deploy / schedule / trigger / rerun / retry (deploy.py) -----
+# ----- operations against a Prefect server: deploy / schedule / trigger / rerun / retry (deploy.py, operations.py) -----
 
 _OVERRIDE = typer.Option(None, "--override", "-o", help="section.key=value (repeatable)")
 
@@ -392,7 +393,7 @@ def trigger_cmd(
 ) -> None:
     """Start a pipeline run for a document through the Prefect server (a worker executes it)."""
     try:
-        _report(ops.trigger(document, preset, config, override, run_dir, from_stage, only_stage, force),
+        _report(operations.trigger(document, preset, config, override, run_dir, from_stage, only_stage, force),
                 wait, timeout)
     except Exception as exc:
         _fail(exc)
@@ -413,7 +414,7 @@ def rerun_cmd(
 
             typer.echo(nectar_stage(run_dir=run_dir, stage=stage, force=True))
             return
-        _report(ops.rerun_stage(run_dir, stage), wait, timeout)
+        _report(operations.rerun_stage(run_dir, stage), wait, timeout)
     except Exception as exc:
         _fail(exc)
 
@@ -426,7 +427,7 @@ def retry_cmd(
 ) -> None:
     """Retry a failed pipeline run with the same parameters (completed stages are skipped)."""
     try:
-        _report(ops.retry_flow_run(flow_run), wait, timeout)
+        _report(operations.retry_flow_run(flow_run), wait, timeout)
     except Exception as exc:
         _fail(exc)
 
@@ -437,7 +438,7 @@ def _report(flow_run, wait: bool, timeout: float) -> None:
         return
     from .server_status import summary_lines
 
-    done = ops.wait_for_run(flow_run.id, timeout)
+    done = operations.wait_for_run(flow_run.id, timeout)
     for line in summary_lines(done.id):
         typer.echo(f"  {line}")
     typer.echo(f"flow run {done.name}: {done.state.name}")

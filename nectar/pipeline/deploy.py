@@ -1,4 +1,5 @@
-"""Prefect deployments, schedules and triggers for the pipeline (``nectar deploy|schedule|trigger|rerun``).
+"""Prefect deployments and schedules for the pipeline (``nectar deploy|schedule``); the commands that
+start and follow flow runs on them are ``operations.py``.
 
 What ``nectar deploy`` registers on the server in ``PREFECT_API_URL``:
 
@@ -20,7 +21,6 @@ folder that is deleted afterwards.
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -34,7 +34,6 @@ DEFAULT_POOL = "nectar"
 GPU_QUEUE = "gpu"
 PIPELINE_DEPLOYMENT = "pipeline"
 TAGS = ["nectar"]
-TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 
 
 class DeployError(RuntimeError):
@@ -116,7 +115,7 @@ def require_server() -> str:
     return url
 
 
-def _client():
+def api_client():
     from prefect.client.orchestration import get_client
 
     require_server()
@@ -132,7 +131,7 @@ def ensure_work_pool(pool: str = DEFAULT_POOL, gpus: int | None = None) -> None:
     from prefect.exceptions import ObjectNotFound
     from prefect.workers.process import ProcessWorker
 
-    with _client() as client:
+    with api_client() as client:
         try:
             existing = client.read_work_pool(pool)
             if existing.type != "process":
@@ -153,7 +152,7 @@ def ensure_work_pool(pool: str = DEFAULT_POOL, gpus: int | None = None) -> None:
 
 def ensure_gpu_limit(gpus: int = 1, name: str = GPU_LIMIT) -> None:
     """The global concurrency limit GPU stages hold inside pipeline runs (see gpu_slots.py)."""
-    with _client() as client:
+    with api_client() as client:
         client.upsert_global_concurrency_limit_by_name(name, gpus)
 
 
@@ -206,7 +205,7 @@ def apply(deployments: list, working_dir: str) -> dict[str, str]:
 
     ids = {}
     try:
-        with _client() as client:
+        with api_client() as client:
             for dep in deployments:
                 dep_id = dep.apply()
                 # RunnerDeployment.apply() registers no pull steps for module entrypoints; set ours.
@@ -257,106 +256,3 @@ def _check_cron(cron: str) -> None:
         CronSchedule(cron=cron)
     except Exception as exc:
         raise DeployError(f"invalid cron expression {cron!r}: {exc}") from None
-
-
-# -------------------------------------------------------------------------------------- triggers
-
-def _flow_name(entrypoint: str) -> str:
-    from prefect.flows import load_flow_from_entrypoint
-
-    return load_flow_from_entrypoint(entrypoint).name
-
-
-def trigger(document: str, preset: str | None = None, config_file: str | None = None,
-            overrides: list[str] | None = None, run_dir: str | None = None,
-            from_stage: str | None = None, only_stage: str | None = None, force: bool = False,
-            deployment: str | None = None):
-    """Create a flow run of the pipeline deployment for ``document``; returns the FlowRun at once.
-
-    Unset options keep the deployment's defaults (its preset, config file and overrides).
-    """
-    params: dict[str, Any] = {"document": document}
-    if preset is not None or config_file is not None or overrides:
-        params.update(pipeline_parameters(preset or "cpu", config_file, overrides))
-    for key, value in (("run_dir", run_dir), ("from_stage", from_stage), ("only_stage", only_stage)):
-        if value is not None:
-            params[key] = value
-    if force:
-        params["force"] = True
-    name = deployment or f"{_flow_name(PIPELINE_ENTRYPOINT)}/{PIPELINE_DEPLOYMENT}"
-    tag = f"doc:{document_deployment_name(document)[4:]}"
-    return _run(name, params, [*TAGS, tag])
-
-
-def rerun_stage(run_dir: str, stage: str):
-    """Create a flow run of ``<stage flow>/<stage>`` for an existing run directory."""
-    if stage not in STAGES:
-        raise DeployError(f"unknown stage {stage!r}; choose one of {', '.join(STAGES)}")
-    return _run(f"{_flow_name(STAGE_ENTRYPOINT)}/{stage}", {"run_dir": run_dir, "stage": stage},
-                [*TAGS, f"stage:{stage}"])
-
-
-def _run(name: str, params: dict[str, Any], tags: list[str]):
-    from prefect.deployments import run_deployment
-    from prefect.exceptions import ObjectNotFound
-
-    require_server()
-    try:
-        return run_deployment(name, parameters=params, timeout=0, tags=tags, as_subflow=False)
-    except ObjectNotFound:
-        raise DeployError(f"deployment {name!r} not found: run `nectar deploy` first") from None
-
-
-def _find_flow_run(client, flow_run: str):
-    """A flow run by id, or the latest failed/crashed run with that name (e.g. ``manual-pipeline``)."""
-    from uuid import UUID
-
-    from prefect.client.schemas.filters import (FlowRunFilter, FlowRunFilterName, FlowRunFilterState,
-                                                FlowRunFilterStateType)
-    from prefect.client.schemas.objects import StateType
-    from prefect.client.schemas.sorting import FlowRunSort
-
-    try:
-        return client.read_flow_run(UUID(flow_run))
-    except ValueError:
-        pass
-    runs = client.read_flow_runs(
-        flow_run_filter=FlowRunFilter(
-            name=FlowRunFilterName(any_=[flow_run]),
-            state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.FAILED, StateType.CRASHED]))),
-        sort=FlowRunSort.EXPECTED_START_TIME_DESC, limit=1)
-    if not runs:
-        raise DeployError(f"no failed or crashed flow run named {flow_run!r}")
-    return runs[0]
-
-
-def retry_flow_run(flow_run: str):
-    """What the UI's Retry button does: the run goes back to Scheduled (AwaitingRetry) with the same
-    parameters, a worker picks it up, and stages whose manifests match are cache hits."""
-    from prefect.states import Scheduled
-
-    with _client() as client:
-        run = _find_flow_run(client, flow_run)
-        if run.state is None or run.state.type.value not in ("FAILED", "CRASHED", "CANCELLED"):
-            raise DeployError(f"flow run {run.name} is {run.state.name if run.state else 'unknown'}; "
-                              "only failed, crashed or cancelled runs are retried")
-        client.set_flow_run_state(run.id, Scheduled(name="AwaitingRetry", message="Retry from nectar retry"),
-                                  force=True)
-        return client.read_flow_run(run.id)
-
-
-def wait_for_run(flow_run_id, timeout_s: float = 3600.0, poll_s: float = 2.0):
-    """Poll until the flow run reaches a terminal state; returns the FlowRun."""
-    deadline = time.monotonic() + timeout_s
-    with _client() as client:
-        while True:
-            run = client.read_flow_run(flow_run_id)
-            if run.state is not None and run.state.type.value in TERMINAL:
-                return run
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"flow run {run.name} still {run.state.name if run.state else '?'} "
-                                   f"after {timeout_s:.0f}s")
-            time.sleep(poll_s)
-
-
-# ------------------------------------------------------------------------------------------- CLI

@@ -18,6 +18,9 @@ from typing import Callable, Iterator
 
 import typer
 
+from ..orchestration.executor import StageError
+from ..orchestration.lock import RunLocked
+
 BAD_INPUT, STAGE_FAILED, LOCKED, INTERRUPTED = 2, 1, 3, 130
 
 
@@ -36,9 +39,8 @@ def _bad_input_types() -> tuple[type[BaseException], ...]:
 
 def classify(exc: BaseException) -> tuple[str, int]:
     """The one line and exit code for ``exc``."""
-    from ..orchestration.lock import RunLocked
-
-    stage = getattr(exc, "_nectar_stage", None)
+    stage = exc.stage if isinstance(exc, StageError) else None
+    exc = exc.cause if isinstance(exc, StageError) else exc
     where = f"{stage}: " if stage else ""
     text = " ".join(str(exc).split("\n")).strip() or type(exc).__name__
     if isinstance(exc, KeyboardInterrupt):
@@ -65,7 +67,7 @@ def reported(debug: bool, echo: Callable[[str], None] | None = None) -> Iterator
         line, code = classify(exc)
         if debug:
             traceback.print_exception(exc, file=sys.stderr)
-        elif code == STAGE_FAILED and getattr(exc, "_nectar_stage", None) is None:
+        elif code == STAGE_FAILED and not isinstance(exc, StageError):
             line += " (--debug shows the traceback)"  # not a stage's: nothing recorded in the run
         (echo or (lambda m: print(m, file=sys.stderr)))(f"error: {line}")
         raise typer.Exit(code) from None

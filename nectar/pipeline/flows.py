@@ -17,9 +17,10 @@ from prefect.artifacts import create_markdown_artifact, create_progress_artifact
     update_progress_artifact
 from prefect.runtime import flow_run
 
-from .. import orchestration
+from .. import comparison, orchestration
+from ..comparison import sweep
 from ..orchestration.readers import write_json
-from ..orchestration.executor import record_failure
+from ..orchestration.executor import StageError, record_failure
 from .gpu_slots import doc_slot, gpu_slot
 from ..schemas.config import STAGES
 from ..schemas.presets import load_config
@@ -121,9 +122,11 @@ def nectar_stage(run_dir: str, stage: str, force: bool = True) -> dict[str, Any]
                 with gpu_slot(stage):  # one GPU stage at a time per GPU, across runs (needs a server)
                     outcome = orchestration.STAGE_RUNNERS[stage](ctx, force)
             except BaseException as exc:
-                record_failure(ctx.run, stage, exc)
-                _publish_failure(ctx, stage, exc)
-                raise
+                failure = record_failure(ctx.run, stage, exc)
+                _publish_failure(ctx, stage, failure.cause if isinstance(failure, StageError) else exc)
+                if failure is exc:
+                    raise
+                raise failure from exc
     logger.info("%s %s: %s %s", ctx.doc_id, stage, outcome.status, outcome.manifest.counts)
     _publish(ctx, stage, outcome)
     return {"stage": stage, "status": outcome.status, "counts": outcome.manifest.counts}
@@ -179,8 +182,6 @@ def nectar_sweep(
     regime: str | None = None,
 ) -> dict[str, Any]:
     """Data stages once, then train + evaluate for every grid variant; one comparison table."""
-    from ..comparison import sweep
-
     config = load_config(preset, config_file, regime, overrides or [])
     variants = sweep.with_base(config, sweep.expand_variants(config, sweep.parse_grid(grid)))
     checked = orchestration.check_run(document, config, run_dir)
@@ -214,8 +215,6 @@ def nectar_compare(run_dir: str, rhos: list[float] | None = None, systems: list[
     """Every system at equal bytes on one run (``nectar compare``): the train stages of what is
     missing run as subflows (cache hits when trained before), then one scoring pass; the table and
     the frontier figure are published as artifacts."""
-    from .. import comparison
-
     ctx = comparison.open_for_compare(run_dir)
     ctx.progress = _prefect_progress(ctx.doc_id)
     with tags("nectar", f"doc:{ctx.doc_id}", "compare"):

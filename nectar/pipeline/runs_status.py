@@ -1,6 +1,6 @@
 """``nectar status DIR``: a terminal view of every run under a directory (or one run).
 
-Reads only what the runs themselves wrote (DESIGN.md §4) — ``run.json``, each stage's
+Reads only what the runs themselves wrote (docs/design.md §4) — ``run.json``, each stage's
 ``manifest.json`` (present ⇔ the stage completed) and ``error.json`` (written when a stage raised) —
 so it works on any fsspec URL, with or without a Prefect server, and while a run is in progress.
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from ..base_model import embedded_smollm2_dir
 from ..layout import build_layout
 from ..orchestration.context import open_run
-from ..orchestration.vllm_export import export_run_state
+from ..serving.vllm_export import export_run_state
 from ..serving.vllm_engine import (ServedDocument, VLLMServer, chat_template, free_port, placeholder_token,
                                    server_command, server_env)
 from ..serving.vllm_state import ExportedState, NotPlainKV, check_state, verify_state

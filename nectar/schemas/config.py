@@ -170,6 +170,13 @@ class ModuleConfig(FrozenConfig):
     init: Literal["first", "evict", "attention_matching"] = "first"
 
 
+# Settings that no longer exist, and why: a config that sets one is refused with this reason
+# (nectar.schemas.presets.load_config); a run.json that still holds one opens as before.
+REMOVED_KEYS: dict[tuple[str, ...], str] = {
+    ("train", "num_workers"): "nothing read it: the targets reader streams with its own prefetch thread",
+}
+
+
 class TrainConfig(FrozenConfig):
     module: ModuleConfig = ModuleConfig()
     lambda_alpha: float = 0.1
@@ -193,7 +200,15 @@ class TrainConfig(FrozenConfig):
     # Token batches are drawn from windows of this many tokens, each made of randomly chosen whole
     # zarr chunks (the streaming loader reads a window chunk-aligned); part of the data order.
     shuffle_window_tokens: int = Field(4096, ge=1)
-    num_workers: int = resource(0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_removed(cls, data: Any) -> Any:
+        """Run directories written before a key was removed still open (``load_config`` refuses the
+        key in what a user writes; see REMOVED_KEYS)."""
+        if isinstance(data, dict):
+            data = {k: v for k, v in data.items() if ("train", k) not in REMOVED_KEYS}
+        return data
 
 
 class EvaluateConfig(FrozenConfig):

@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from .config import PipelineConfig
+from .config import REMOVED_KEYS, PipelineConfig
 
 
 class ConfigError(ValueError):
@@ -184,10 +184,24 @@ def load_config(
         data = deep_merge(data, loaded)
     for text in overrides:
         data = deep_merge(data, parse_override(text))
+    _refuse_removed(data, config_file)
     try:
         return PipelineConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(_explain(exc, config_file)) from None
+
+
+def _refuse_removed(data: dict[str, Any], source: str | Path | None) -> None:
+    for path, why in REMOVED_KEYS.items():
+        node: Any = data
+        for part in path:
+            node = node.get(part, _MISSING) if isinstance(node, dict) else _MISSING
+        if node is not _MISSING:
+            where = f"{source} or the --set overrides" if source else "the --set overrides"
+            raise ConfigError(f"{'.'.join(path)} is no longer a setting ({why}); remove it from {where}")
+
+
+_MISSING = object()
 
 
 def _explain(exc: ValidationError, source: str | Path | None) -> str:

@@ -1,4 +1,5 @@
-"""``nectar serve``: a trained module behind an OpenAI-compatible HTTP API.
+"""``nectar ask`` and ``nectar serve``: a trained module answering without the document, in-process
+(ask.py) or behind an OpenAI-compatible HTTP API.
 
 app.py (routes) · openai_schemas.py (wire format) · chat_prompt.py (messages → query tokens) ·
 limits.py (what a request may ask) · body_limit.py (413 middleware) · job.py (one request in the

@@ -1,6 +1,6 @@
 """OpenAI chat messages → the query tokens the module-plugged model reads, as ``nectar ask`` builds them.
 
-The layout (DESIGN.md §3) puts the document inside the FIRST user turn of the model's chat template:
+The layout (docs/design.md §3) puts the document inside the FIRST user turn of the model's chat template:
 
     context (the module stands in for it) = system prompt … user turn: "…<document>…</document>"
     query   (positions n, n+1, …)         = first question, end of turn, assistant header …

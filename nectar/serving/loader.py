@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..layout import PromptLayout
-from ..base_model import BaseLM
+from ..base_model import BaseLM, load_base_model
+from ..layout import PromptLayout, build_layout
 from ..modules.builder import NectarModule
+from ..modules.io import ModuleMismatch, load_module
+from ..orchestration.context import open_run
 from ..schemas.artifacts import ModuleSpec
 from .limits import GenerationDefaults
 
@@ -37,11 +39,6 @@ def default_name(run_dir: str, doc_id: str) -> str:
 
 
 def load_served_module(run_dir: str, name: str | None = None) -> ServedModule:
-    from ..layout import build_layout
-    from ..base_model import load_base_model
-    from ..modules.io import ModuleMismatch, load_module
-    from ..orchestration import open_run
-
     ctx = open_run(run_dir)
     if not ctx.run.exists("train", "module.json"):
         raise FileNotFoundError(f"{ctx.run.url('train')}: no trained module (run the pipeline through "

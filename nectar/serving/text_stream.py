@@ -3,12 +3,35 @@
 The answer's text must not contain a stop string, and a streamed answer must never send text it
 later has to take back. So text that could still turn out to be the start of a stop string is held
 back until the next tokens decide it (e.g. with stop "\\n\\nQ", a trailing "\\n" waits). Tokens are
-decoded by ``nectar ask``'s incremental detokenizer (which also holds back split UTF-8 sequences),
-so the server's text is ``nectar ask``'s text for the same tokens.
+decoded by the incremental ``Detokenizer`` (which also holds back split UTF-8 sequences) that
+``nectar ask`` uses too, so the server's text is ``nectar ask``'s text for the same tokens.
 """
 from __future__ import annotations
 
-from ..ask import _Detokenizer
+from typing import Callable
+
+TextCallback = Callable[[str], None]
+
+
+class Detokenizer:
+    """Turns a growing token list into text deltas (holding back incomplete UTF-8 sequences)."""
+
+    def __init__(self, tokenizer, callback: TextCallback | None):
+        self.tokenizer, self.callback = tokenizer, callback
+        self.tokens: list[int] = []
+        self.emitted = ""
+
+    def push(self, token: int) -> None:
+        self.tokens.append(token)
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # a multi-byte character split across tokens: wait for the rest
+            return
+        delta, self.emitted = text[len(self.emitted):], text
+        if delta and self.callback is not None:
+            self.callback(delta)
+
+    def text(self) -> str:
+        return self.tokenizer.decode(self.tokens, skip_special_tokens=True)
 
 
 def _held_back(text: str, stops: tuple[str, ...]) -> int:
@@ -33,7 +56,7 @@ class TextStream:
         self._closed = False
         self.text = ""  # everything sent so far: the answer
         self._pending = ""  # decoded, not sent yet (could start a stop string)
-        self._detok = _Detokenizer(tokenizer, self._decoded)
+        self._detok = Detokenizer(tokenizer, self._decoded)
 
     def _decoded(self, delta: str) -> None:
         self._pending += delta

@@ -1,4 +1,4 @@
-"""chunk: overlapping word-level chunks of the document (paper App. A.1, DESIGN.md §5).
+"""chunk: overlapping word-level chunks of the document (paper App. A.1, docs/design.md §5).
 
 Chunk k starts at word k·(words − overlap) and is ``words`` long, so consecutive chunks share
 ``overlap`` words and every word is in at least one chunk. A tail that would add fewer than

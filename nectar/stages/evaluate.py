@@ -1,4 +1,4 @@
-"""The evaluate stage (DESIGN.md §5, §11; paper §4.2–4.3, App. C, F, G). Pure Python, no Prefect.
+"""The evaluate stage (docs/design.md §5, §11; paper §4.2–4.3, App. C, F, G). Pure Python, no Prefect.
 
 On the held-out pairs of each split (``test``; ``challenge``: the test pairs least similar to any
 training instruction, App. E; and every further held-out split the targets hold, e.g. ``probes``),
@@ -42,7 +42,9 @@ from ..schemas.artifacts import (ChunkRow, DatasetRow, GenerationRow, JudgmentRo
                                  ModuleSpec, TargetsPairRow, TrainLogRow)
 from ..schemas.config import EvaluateConfig
 from ..tables import read_table, write_table
-from ..targets.store import open_targets
+from ..targets.online import OnlineTargets
+from ..targets.reader import TargetsData
+from ..targets.store import open_targets, targets_zarr_url
 
 Progress = Callable[[str, int, int], None]  # (step, done, total)
 
@@ -61,12 +63,8 @@ def _metrics_rows(quality: dict[str, dict[str, SystemQuality]]) -> list[MetricsR
 
 def _target_rows(targets_url: str, base: BaseLM, doc_kv: DocKV):
     """The targets' (q, α, A) rows by token index: read (any storage dtype) or recomputed (online)."""
-    from ..training.data import TargetsData
-
-    data = TargetsData(f"{targets_url}/targets.zarr")
+    data = TargetsData(targets_zarr_url(targets_url))
     if data.online:
-        from ..targets.online import OnlineTargets
-
         data.attach_values(OnlineTargets(data, base, doc_kv))
     return data
 
@@ -133,7 +131,7 @@ def evaluate(
     ``nectar.evaluation.judge.make_chat(backend)`` for the configured judge backend.
     """
     step = progress or (lambda *_: None)
-    g, header = open_targets(f"{targets_url}/targets.zarr")
+    g, header = open_targets(targets_zarr_url(targets_url))
     if header.n_context != layout.n or doc_kv.n != layout.n:
         raise EvaluateInputError(
             f"the targets were cached for a document of {header.n_context} tokens and the document KV "

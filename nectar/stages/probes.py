@@ -1,4 +1,4 @@
-"""Document probes: queries made from the document itself, no LLM needed (DESIGN.md §11).
+"""Document probes: queries made from the document itself, no LLM needed (docs/design.md §11).
 
 Without the document the model cannot answer them, so they measure whether a module actually carries
 the document, and they give thousands of held-out tokens for free:

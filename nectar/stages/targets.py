@@ -27,7 +27,7 @@ from ..schemas.config import TargetsConfig
 from ..tables import write_table
 from ..targets.capture import capture_packed
 from ..targets.size import TargetsSize, check_budget
-from ..targets.store import create_targets, encode_values, open_targets
+from ..targets.store import create_targets, encode_values, open_targets, targets_zarr_url
 
 Progress = Callable[[int, int], None]
 
@@ -81,7 +81,7 @@ def build_targets(
         raise TargetsInputError("the dataset has no kept train/test pairs; nothing to cache (check verify)")
     check_budget(targets_size(planned, base, cfg), cfg.max_bytes)
     header = _header(base, layout, cfg, planned, doc_sha256)
-    zurl = f"{out_url}/targets.zarr"
+    zurl = targets_zarr_url(out_url)
     g = _open_or_create(zurl, header, cfg)
     written = int(g.attrs.get("written_tokens", 0))
     offsets = np.array([p.row.start for p in planned] + [header.n_tokens], dtype=np.int64)

@@ -13,38 +13,10 @@ from __future__ import annotations
 from typing import Callable
 
 from ..base_model import BaseLM
-from ..modules.builder import NectarModule, build_module, plan_from_config
-from ..modules.io import make_spec, save_module
-from ..schemas.artifacts import TargetsHeader, TrainLogRow
-from ..schemas.base import stable_hash
 from ..schemas.config import TrainConfig
-from ..tables import write_table
-from ..training.data import TargetsData, target_statistics
-from ..training.distributed import barrier, dist_info
-from ..training.loop import Trainer, TrainingDiverged  # noqa: F401  (re-exported for callers)
+from ..training.fit import fit
 
 TRAIN_OUTPUTS = ["module.safetensors", "module.json", "train_log.parquet"]
-
-
-class TrainInputError(ValueError):
-    pass
-
-
-def targets_zarr_url(url: str) -> str:
-    """Accept the targets stage folder or the zarr group itself."""
-    url = url.rstrip("/")
-    return url if url.endswith(".zarr") else f"{url}/targets.zarr"
-
-
-def check_targets_fit(header: TargetsHeader, base: BaseLM, where: str) -> None:
-    if header.model_hash != base.weights_hash:
-        raise TrainInputError(f"{where}: targets were cached with model {header.model!r} (weights hash "
-                              f"{header.model_hash}), not the loaded {base.name!r} ({base.weights_hash}); "
-                              "re-run the targets stage")
-    for name in ("num_layers", "num_q_heads", "num_kv_heads", "head_dim"):
-        if getattr(header, name) != getattr(base, name):
-            raise TrainInputError(f"{where}: targets have {name}={getattr(header, name)}, "
-                                  f"the model has {getattr(base, name)}")
 
 
 def train(
@@ -58,75 +30,3 @@ def train(
 ) -> dict:
     """Train, write the module, spec and log into ``out_url``; return the stage counts."""
     return fit(targets_url, cfg, base, doc_kv, out_url, progress, stop_after)[1]
-
-
-def fit(targets_url: str, cfg: TrainConfig, base: BaseLM, doc_kv, out_url: str,
-        progress: Callable[[int, int], None] | None = None,
-        stop_after: int | None = None) -> tuple[NectarModule, dict]:
-    """``train`` that also hands back the trained in-memory module (this process's replica)."""
-    zurl = targets_zarr_url(targets_url)
-    data = TargetsData(zurl, window_tokens=cfg.shuffle_window_tokens)
-    h = data.header
-    check_targets_fit(h, base, zurl)
-    if data.online:  # q, α, A are recomputed in every step from the document KV (nectar/targets/online.py)
-        if doc_kv is None:
-            raise TrainInputError("online targets are computed from the document KV during training; pass doc_kv")
-        from ..targets.online import OnlineTargets
-
-        data.attach_values(OnlineTargets(data, base, doc_kv))
-    plan = plan_from_config(cfg.module, h.num_layers, h.num_kv_heads, h.head_dim, h.n_context, h.scaling)
-    if plan.arch == "quadrature":
-        if doc_kv is None:
-            raise TrainInputError("a quadrature module is initialised from the document KV; pass doc_kv")
-        if doc_kv.n != h.n_context:
-            raise TrainInputError(f"document KV has n={doc_kv.n} tokens, the targets n={h.n_context}")
-    keys = doc_kv.keys if doc_kv is not None and plan.arch == "quadrature" else None
-    values = doc_kv.values if keys is not None else None
-    module = build_module(plan, keys, values, seed=cfg.seed)
-    if plan.arch == "quadrature" and cfg.module.init != "first":
-        from ..baselines import init_quadrature, training_queries
-
-        init_quadrature(module, plan, cfg.module.init, doc_kv, training_queries(data, cfg.seed))
-    if plan.normalize_targets:
-        module.set_normalization(target_statistics(data, h.num_kv_heads, seed=cfg.seed))
-    module = module.to(base.device)
-    fingerprint = stable_hash({"train": cfg.cache_dict(), "plan": plan.to_dict(),
-                               "targets": h.model_dump(mode="json"), "data_tokens": int(data.offsets[-1])})
-    trainer = Trainer(module, plan.arch, data, base, cfg, f"{out_url.rstrip('/')}/checkpoints", fingerprint)
-    try:
-        result = trainer.run(progress=progress, stop_after=stop_after)
-    finally:
-        data.close()  # the prefetch thread
-    s = result.state
-    counts = {"steps": s.step, "total_steps": result.schedule.total_steps, "samples": s.samples,
-              "skipped_nonfinite": s.skipped, "resumed_from_step": result.resumed_from,
-              "warmup_steps": result.schedule.warmup_steps, "peak_lr": result.schedule.peak_lr,
-              "train_items": result.schedule.n_items, "stopped_early": result.stopped_early}
-    if result.stopped_early:
-        return module, counts
-    info = dist_info()
-    spec = make_spec(module.cpu(), plan, base.name, base.weights_hash, h.doc_sha256, h.num_q_heads,
-                     normalization={"enabled": plan.normalize_targets, "source": "train split targets"})
-    if info.is_main:
-        save_module(module, spec, out_url)
-        write_table(f"{out_url.rstrip('/')}/train_log.parquet", result.rows, TrainLogRow)
-    barrier(info)
-    module.to(base.device)
-    counts.update(n_params=spec.n_params, module_bytes=spec.module_bytes, kv_cache_bytes=spec.kv_cache_bytes,
-                  kv_over_module=round(spec.kv_cache_bytes / spec.module_bytes, 2), **_final_metrics(result.rows))
-    return module, counts
-
-
-def _final_metrics(rows: list[TrainLogRow]) -> dict:
-    out = {}
-    for split in ("train", "heldout"):
-        last = [r for r in rows if r.split == split]
-        if last:
-            r = last[-1]
-            out.update({f"{split}_loss": r.loss, f"{split}_loss_A": r.loss_A, f"{split}_loss_kl": r.loss_kl,
-                        f"{split}_rte_A": r.rte_A, f"{split}_token_acc": r.token_acc})
-    first = [r for r in rows if r.split == "heldout"]
-    if first:
-        out.update(heldout_initial_loss_A=first[0].loss_A, heldout_initial_loss_kl=first[0].loss_kl,
-                   heldout_initial_token_acc=first[0].token_acc)
-    return out

@@ -20,7 +20,7 @@ import torch
 from ..attention.doc_kv import DocKV
 from ..attention.exact import ExactDocState
 from ..base_model import BaseLM
-from ..training.data import TargetsData, TokenBatch
+from .reader import TargetsData, TokenBatch
 from .capture import capture_packed
 
 

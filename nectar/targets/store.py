@@ -8,15 +8,18 @@ round a typical α of 20–40 by up to 0.125, a 13 % error in the merge weight.
 """
 from __future__ import annotations
 
+import fsspec
 import numpy as np
 import torch
 import zarr
 from zarr.codecs import Crc32cCodec, ZstdCodec
 from pydantic import ValidationError
 
+from .. import integrity
 from ..schemas.artifacts import TargetsHeader
 from ..tables import ArtifactError
 
+STORE_NAME = "targets.zarr"  # the group's folder inside the targets stage's output
 HEADER_KEY = "nectar_targets"
 VALUE_ARRAYS = ("q", "alpha", "A")  # the per-(layer, head) targets; absent from "online" groups
 VIEW_KEY = "nectar_view"  # array attribute: the real dtype of a uint16 view
@@ -47,6 +50,12 @@ def array_view(g: zarr.Group, name: str) -> str | None:
     return g[name].attrs.get(VIEW_KEY)
 
 CHECKED = (Crc32cCodec(),)  # the last codec of every array: a checksum per chunk
+
+
+def targets_zarr_url(url: str) -> str:
+    """The group's URL from the targets stage folder or the group itself."""
+    url = url.rstrip("/")
+    return url if url.endswith(".zarr") else f"{url}/{STORE_NAME}"
 
 
 def open_store(url: str):
@@ -116,3 +125,33 @@ def open_targets(url: str, mode: str = "r") -> tuple[zarr.Group, TargetsHeader]:
 def read_tokens(g: zarr.Group, start: int, stop: int, names=VALUE_ARRAYS) -> dict[str, np.ndarray]:
     """Rows [start, stop) of the named arrays, values as float32."""
     return {name: decode_values(g[name][start:stop], array_view(g, name)) for name in names}
+
+
+def repair_shards(stage_url: str, changes: list[integrity.Change]) -> list[integrity.Change]:
+    """The targets stage's repair (``run_stage``'s ``repair``): redo only the damaged shards of the
+    group: delete them and move its ``written_tokens`` back to the first damaged shard, so the
+    stage resumes from there. Anything else (its metadata, other files) is left to the default:
+    removed and rebuilt. Returns the changes it did not repair."""
+    zarr_changes = [c for c in changes if c.path.startswith(f"{STORE_NAME}/")]
+    if not zarr_changes or any(c.path.endswith("zarr.json") for c in zarr_changes):
+        return changes
+    zurl = targets_zarr_url(stage_url)
+    try:
+        g = zarr.open_group(open_store(zurl), mode="r+", zarr_format=3)
+        starts = []
+        for c in zarr_changes:
+            name, _, rest = c.path[len(STORE_NAME) + 1:].partition("/")
+            if g[name].shards is None:  # pair_offsets / pair_split: rewritten whole at the end
+                continue
+            index = int(rest.split("/")[1])  # "<array>/c/<i>/0/..." (zarr v3 default chunk keys)
+            starts.append(index * g[name].shards[0])
+        written = int(g.attrs["written_tokens"])
+    except Exception:  # a layout this doesn't know: rebuild the whole group
+        return changes
+    fs, base = fsspec.core.url_to_fs(zurl)
+    for c in zarr_changes:
+        shard = f"{base}/{c.path[len(STORE_NAME) + 1:]}"
+        if fs.exists(shard):
+            fs.rm(shard)
+    g.attrs["written_tokens"] = min(written, *starts)
+    return [c for c in changes if c not in zarr_changes]

@@ -39,7 +39,6 @@ def main(argv: list[str] | None = None) -> int:
     from ..base_model import load_base_model
     from ..modules.io import load_module
     from ..schemas.config import ModelConfig, TrainConfig
-    from ..stages.train import fit
     from .distributed import init_from_env
 
     info = init_from_env()
@@ -56,12 +55,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.doc_kv:
         from ..attention.doc_kv import load_doc_kv
 
-        from ..targets.store import open_targets
-        from ..stages.train import targets_zarr_url
+        from ..targets.store import open_targets, targets_zarr_url
 
         header = open_targets(targets_zarr_url(args.targets))[1]
         doc_kv = load_doc_kv(args.doc_kv, base, {"model_hash": base.weights_hash,
                                                  "doc_sha256": header.doc_sha256})
+    from .fit import fit
+
     module, counts = fit(args.targets, cfg, base, doc_kv, args.out)
     checksum = replica_checksum(module, info)
     saved, _ = load_module(args.out, base)  # rank 0 wrote it

@@ -27,7 +27,8 @@ from ..modules.provider import ModuleDocState
 from ..schemas.artifacts import TrainLogRow
 from ..schemas.config import TrainConfig
 from .checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from .data import PairBatch, TargetsData, TokenBatch, shard_for_rank
+from ..targets.reader import PairBatch, TargetsData, TokenBatch
+from .data import shard_for_rank, stream
 from .distributed import DistInfo, all_ranks_agree, all_reduce_sum, barrier, dist_info, wrap
 from .losses import correct_sum, kl_topk_tail_sum, regression_sums
 from .schedule import LRFactor, Schedule, derive_schedule
@@ -141,7 +142,7 @@ class Trainer:
             raise ValueError("all loss weights are zero (lambda_alpha, lambda_A, lambda_kl): nothing to train")
         self.pair_mode = self.w.kl > 0
         # Train items (pairs or tokens) in a (seed, step)-pure order, streamed from the store.
-        self.stream = data.stream("train", by_pairs=self.pair_mode, seed=cfg.seed)
+        self.stream = stream(data, "train", by_pairs=self.pair_mode, seed=cfg.seed)
         if cfg.batch_size < self.info.world_size:
             raise ValueError(f"train.batch_size ({cfg.batch_size}) must be at least the number of "
                              f"data-parallel processes ({self.info.world_size})")

@@ -1,4 +1,4 @@
-"""CUDA paths of the attention core (DESIGN.md §2), checked against the exact torch math.
+"""CUDA paths of the attention core (docs/design.md §2), checked against the exact torch math.
 
 * The document-state backends that run on GPU — ``fused`` (torch's flash kernel, returning its lse)
   and ``flash`` (the flash-attn package, when installed) — give the same (out, lse) as the exact

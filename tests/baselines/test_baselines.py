@@ -10,8 +10,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "training"))
 from targets_fixture import DOC, make_targets  # noqa: E402
 
 from nectar.attention.exact import ExactDocState  # noqa: E402
-from nectar.baselines import (BASELINES, baseline_plan, fit_baseline, module_nbytes,  # noqa: E402
-                              training_queries)
+from nectar.baselines import BASELINES, baseline_plan, fit_baseline, training_queries  # noqa: E402
 from nectar.baselines.attention_matching import fit_log_mass  # noqa: E402
 from nectar.baselines.selection import attention_probs  # noqa: E402
 from nectar.modules import build_module, plan_module  # noqa: E402
@@ -47,7 +46,7 @@ def test_each_baseline_stores_the_budget_of_the_module_it_is_compared_with(tiny_
     assert build_module(plan).n_params() <= budget_params
     assert abs(params - budget_params) <= L * H * per_pair
     # bytes are every saved tensor, the module's way (normalisation buffers included on both sides)
-    assert fitted.nbytes == module_nbytes(fitted.module) == sum(
+    assert fitted.nbytes == fitted.module.nbytes() == sum(
         t.numel() * 4 for t in fitted.module.state_dict().values())
 
 

@@ -10,7 +10,7 @@ import os
 import pytest
 
 from nectar.orchestration.executor import (
-    CODE_VERSION, RunDir, StageFailed, cache_key, doc_id_for, hash_url, last_invocation, record_failure, run_stage,
+    CODE_VERSION, RunDir, StageError, cache_key, doc_id_for, hash_url, last_invocation, record_failure, run_stage,
     slug, stage_status,
 )
 from nectar.schemas.artifacts import StageManifest
@@ -175,9 +175,10 @@ def test_invalidate_forces_a_rerun(run):
 
 def test_failing_body_leaves_no_manifest_and_records_the_error(run):
     body = Body(run, fail=RuntimeError("judge endpoint refused the connection"))
-    with pytest.raises(RuntimeError, match="judge endpoint refused") as info:
+    with pytest.raises(StageError, match="judge endpoint refused") as info:
         run_stage(run, "chunk", {}, INPUTS, body)
-    assert info.value._nectar_recorded is True
+    assert info.value.stage == "chunk" and isinstance(info.value.cause, RuntimeError)
+    assert info.value.__cause__ is info.value.cause
     assert run.read_manifest("chunk") is None
     assert not run.exists("chunk", "manifest.json")
     assert run.exists("chunk", "out.txt")  # partial outputs stay for the body to resume from
@@ -193,15 +194,16 @@ def test_failing_body_leaves_no_manifest_and_records_the_error(run):
     error_file = run.url("chunk", "error.json")
     with open(error_file) as f:
         before = f.read()
-    record_failure(run, "chunk", info.value)
+    assert record_failure(run, "chunk", info.value) is info.value
     with open(error_file) as f:
         assert f.read() == before
 
 
 def test_failure_after_a_success_removes_the_stale_manifest(run):
     run_stage(run, "chunk", {"words": 1}, INPUTS, Body(run))
-    with pytest.raises(KeyError):
+    with pytest.raises(StageError) as info:
         run_stage(run, "chunk", {"words": 2}, INPUTS, Body(run, fail=KeyError("missing column")))
+    assert isinstance(info.value.cause, KeyError)
     assert run.read_manifest("chunk") is None  # downstream can't mistake the old outputs for the new config
     assert stage_status(run, "chunk")["state"] == "failed"
 
@@ -215,7 +217,7 @@ def test_keyboard_interrupt_is_recorded_too(run):
 
 def test_success_after_failure_clears_the_error(run):
     body = Body(run, fail=RuntimeError("flaky"))
-    with pytest.raises(RuntimeError):
+    with pytest.raises(StageError):
         run_stage(run, "chunk", {}, INPUTS, body)
     body.fail = None
     outcome = run_stage(run, "chunk", {}, INPUTS, body)
@@ -229,21 +231,28 @@ def test_body_declaring_a_missing_output_is_not_marked_complete(run):
     def body(stage_url):
         return ["never-written.parquet"], {}
 
-    with pytest.raises(ArtifactError, match="never-written.parquet: missing"):
+    with pytest.raises(StageError, match="never-written.parquet: missing") as info:
         run_stage(run, "chunk", {}, INPUTS, body)
+    assert isinstance(info.value.cause, ArtifactError)
     assert run.read_manifest("chunk") is None
 
 
 def test_record_failure_for_errors_outside_the_body(run):
-    record_failure(run, "verify", FileNotFoundError("synthesize/pairs.parquet"))
+    failure = record_failure(run, "verify", FileNotFoundError("synthesize/pairs.parquet"))
+    assert isinstance(failure, StageError) and failure.stage == "verify"
+    assert isinstance(failure.cause, FileNotFoundError)
     status = stage_status(run, "verify")
     assert status["state"] == "failed"
     assert status["error"] == "FileNotFoundError: synthesize/pairs.parquet"
 
 
-def test_stage_failed_message():
-    exc = StageFailed("train", "diverged")
-    assert str(exc) == "stage 'train' failed: diverged" and exc.stage == "train" and exc.message == "diverged"
+def test_stage_error_reads_as_its_cause_and_pickles():
+    import pickle
+
+    exc = StageError("train", ValueError("diverged"))
+    assert str(exc) == "diverged" and exc.stage == "train"
+    again = pickle.loads(pickle.dumps(exc))  # Prefect hands task failures across processes
+    assert again.stage == "train" and isinstance(again.cause, ValueError) and str(again) == "diverged"
 
 
 # --- stage_status --------------------------------------------------------------------------------
@@ -455,12 +464,12 @@ def test_partial_files_are_resumed_only_for_the_same_key(run):
             raise RuntimeError("killed")
         return ["partial.txt"], {"resumed": seen}
 
-    with pytest.raises(RuntimeError):
+    with pytest.raises(StageError):
         run_stage(run, "chunk", {"a": 1}, INPUTS, body)
     assert run_stage(run, "chunk", {"a": 1}, INPUTS, body).manifest.counts == {"resumed": True}
-    with pytest.raises(RuntimeError):  # another configuration: the folder starts empty
+    with pytest.raises(StageError):  # another configuration: the folder starts empty
         run_stage(run, "chunk", {"a": 2}, INPUTS, body)
-    with pytest.raises(RuntimeError):  # forced: starts empty too
+    with pytest.raises(StageError):  # forced: starts empty too
         run_stage(run, "chunk", {"a": 2}, INPUTS, body, force=True)
 
 

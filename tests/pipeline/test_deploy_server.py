@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from nectar.pipeline import deploy as dep
+from nectar.pipeline import operations
 from nectar.pipeline import server_status
 from nectar.pipeline.gpu_slots import GPU_LIMIT
 from nectar.pipeline.runs_status import collect
@@ -120,15 +121,15 @@ def failed_then_retried(deployed):
     config.write_text(yaml.safe_dump({"synthesize": {"llm": {
         "backend": "openai", "base_url": f"http://127.0.0.1:{port}/v1", "model": "unreachable",
         "max_retries": 0, "timeout_s": 5}}}))
-    first = dep.trigger(str(doc), preset="tiny", config_file=str(config), run_dir=run_dir)
-    failed = dep.wait_for_run(first.id, RUN_TIMEOUT_S, poll_s=1)
+    first = operations.trigger(str(doc), preset="tiny", config_file=str(config), run_dir=run_dir)
+    failed = operations.wait_for_run(first.id, RUN_TIMEOUT_S, poll_s=1)
     failed_stages = server_status.stage_runs(failed.id)
     failed_arts = server_status.artifacts([s.flow_run_id for s in failed_stages])
     chunk_manifest = (Path(run_dir) / "chunk" / "manifest.json").read_text()
 
     config.write_text(yaml.safe_dump({"train": {"samples": 2000}}))  # the fix: default (local) LLM
-    retried = dep.retry_flow_run(str(first.id))
-    done = dep.wait_for_run(retried.id, RUN_TIMEOUT_S, poll_s=1)
+    retried = operations.retry_flow_run(str(first.id))
+    done = operations.wait_for_run(retried.id, RUN_TIMEOUT_S, poll_s=1)
     stages = server_status.stage_runs(done.id)
     arts = server_status.artifacts([s.flow_run_id for s in stages])
     return {"first": first, "failed": failed, "failed_stages": failed_stages, "failed_arts": failed_arts,
@@ -175,9 +176,9 @@ def test_trigger_again_on_the_same_run_dir_is_all_cache_hits(failed_then_retried
     """The other way to retry: trigger the document again with the run directory."""
     r = failed_then_retried
     params = r["first"].parameters
-    run = dep.trigger(params["document"], preset="tiny", config_file=params["config_file"],
+    run = operations.trigger(params["document"], preset="tiny", config_file=params["config_file"],
                       run_dir=r["run_dir"])
-    done = dep.wait_for_run(run.id, RUN_TIMEOUT_S, poll_s=1)
+    done = operations.wait_for_run(run.id, RUN_TIMEOUT_S, poll_s=1)
     assert done.state.type.value == "COMPLETED", done.state.message
     stages = server_status.stage_runs(done.id)
     arts = server_status.artifacts([s.flow_run_id for s in stages])
@@ -191,8 +192,8 @@ def test_rerun_one_stage_through_its_deployment(failed_then_retried):
     run_dir = failed_then_retried["run_dir"]
     before = json.loads((Path(run_dir) / "chunk" / "manifest.json").read_text())
     verify_before = (Path(run_dir) / "verify" / "manifest.json").read_text()
-    run = dep.rerun_stage(run_dir, "chunk")
-    done = dep.wait_for_run(run.id, RUN_TIMEOUT_S, poll_s=1)
+    run = operations.rerun_stage(run_dir, "chunk")
+    done = operations.wait_for_run(run.id, RUN_TIMEOUT_S, poll_s=1)
     assert done.state.type.value == "COMPLETED", done.state.message
     assert done.parameters == {"run_dir": run_dir, "stage": "chunk", "force": True}
     after = json.loads((Path(run_dir) / "chunk" / "manifest.json").read_text())
@@ -220,9 +221,9 @@ def test_two_workers_share_the_pool_with_file_url_run_dirs(prefect_server, deplo
         prepare_run(str(doc), config, rd)
     with running_worker(prefect_server, pool, "w-a", tmp_path, limit=1), \
             running_worker(prefect_server, pool, "w-b", tmp_path, limit=1):
-        runs = [dep._run("nectar-stage/chunk", {"run_dir": rd, "stage": "chunk"}, ["nectar"])
+        runs = [operations._run("nectar-stage/chunk", {"run_dir": rd, "stage": "chunk"}, ["nectar"])
                 for rd in run_dirs]
-        done = [dep.wait_for_run(r.id, RUN_TIMEOUT_S, poll_s=1) for r in runs]
+        done = [operations.wait_for_run(r.id, RUN_TIMEOUT_S, poll_s=1) for r in runs]
     assert [d.state.type.value for d in done] == ["COMPLETED", "COMPLETED"]
     logs = {w: (tmp_path / f"worker-{w}.log").read_text() for w in ("w-a", "w-b")}
     # A worker logs "View at …/flow-run/<id>" when the run executes under it (both may try to

@@ -7,6 +7,7 @@ from typer.testing import CliRunner
 import pytest
 
 from nectar.pipeline import deploy as dep
+from nectar.pipeline import operations
 from nectar.schemas.presets import ConfigError, load_config
 
 
@@ -62,14 +63,14 @@ def test_pull_step_moves_flow_runs_into_the_working_dir():
 
 def test_server_commands_without_a_server_say_what_is_missing(no_server):
     with pytest.raises(dep.DeployError, match="PREFECT_API_URL is not set"):
-        dep.trigger("doc.txt")
+        operations.trigger("doc.txt")
     with pytest.raises(dep.DeployError, match="PREFECT_API_URL is not set"):
         dep.ensure_work_pool("p")
 
 
 def test_rerun_rejects_an_unknown_stage_before_calling_the_server():
     with pytest.raises(dep.DeployError, match="unknown stage 'trian'"):
-        dep.rerun_stage("runs/x/y", "trian")
+        operations.rerun_stage("runs/x/y", "trian")
 
 
 def app_with_ops() -> typer.Typer:

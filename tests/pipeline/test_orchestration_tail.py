@@ -95,7 +95,7 @@ def test_sweep_variants_share_the_parent_data_stages(tiny_ctx):
 def test_targets_cache_held_out_probes_and_train_probes_only_when_asked(tiny_ctx):
     from nectar.schemas.artifacts import ProbeRow, TargetsPairRow
     from nectar.tables import read_table
-    from nectar.training.data import TargetsData
+    from nectar.targets.reader import TargetsData
 
     out = orchestration.run_targets(tiny_ctx)
     assert out.manifest.counts["probes_held_out"] > 0 and out.manifest.counts["probes_train"] == 0

@@ -12,7 +12,7 @@ import pytest
 from rich.console import Console
 
 from nectar.pipeline.runs_status import available_stages, collect, find_runs, render, status_json
-from nectar.orchestration.executor import RunDir, now, run_stage
+from nectar.orchestration.executor import RunDir, StageError, now, run_stage
 from nectar.schemas.artifacts import ChunkRow, RunManifest
 from nectar.tables import write_json_artifact, write_table
 
@@ -49,7 +49,7 @@ def test_states_counts_and_last_error_across_runs_of_a_document(root):
     run_stage(ok, "chunk", {"words": 3}, {"document": "h"}, chunk_body(3))
     bad = make_run(root, "manual-1234abcd", "r2")
     run_stage(bad, "chunk", {"words": 5}, {"document": "h"}, chunk_body(5))
-    with pytest.raises(ConnectionError):
+    with pytest.raises(StageError):  # the body's ConnectionError, recorded
         run_stage(bad, "synthesize", {"llm": "x"}, {"chunks": "h"}, failing_body)
 
     statuses = collect(f"{root}/manual-1234abcd", available=ALL)
@@ -83,7 +83,7 @@ def test_root_of_all_documents_and_single_run_dir(root):
 def test_cached_stage_and_retry_after_failure(root):
     run = make_run(root, "doc", "r1")
     run_stage(run, "chunk", {"words": 3}, {"document": "h"}, chunk_body(3))
-    with pytest.raises(ConnectionError):
+    with pytest.raises(StageError):  # the body's ConnectionError, recorded
         run_stage(run, "synthesize", {"llm": "x"}, {"chunks": "h"}, failing_body)
     # The retry: chunk is a cache hit, synthesize (cause fixed) completes.
     run_stage(run, "chunk", {"words": 3}, {"document": "h"}, chunk_body(3))

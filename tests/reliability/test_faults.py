@@ -106,7 +106,7 @@ def test_deleted_manifest_resumes_from_the_stage_files(run_copy, complete_run):
 
 
 def test_flipped_byte_in_a_chunk_fails_its_read_and_is_named_before_training(run_copy):
-    from nectar.training.data import TargetsData
+    from nectar.targets.reader import TargetsData
 
     shard = Path(run_copy) / "targets" / SHARD
     st = shard.stat()

@@ -360,7 +360,6 @@ INPUTS = {"dataset": "abc123"}
 RESOURCE_OVERRIDES = [
     "targets.batch_size=2",
     "targets.batch_tokens=512",
-    "train.num_workers=3",
     "model.device=cpu",
     "model.attention_backend=torch",
     "synthesize.llm.max_concurrency=1",
@@ -420,8 +419,6 @@ def test_cache_key_of_a_config_object_excludes_resources():
     assert cache_key("targets", a, INPUTS) != cache_key("targets", TargetsConfig(top_k=9), INPUTS)
     assert cache_key("targets", a, INPUTS) != cache_key("targets", a, {"dataset": "other"})
     assert cache_key("targets", a, INPUTS) != cache_key("train", a, INPUTS)
-    assert TrainConfig(num_workers=4).cache_dict() == TrainConfig().cache_dict()
-    assert "num_workers" not in TrainConfig().cache_dict()
     assert {"batch_size", "batch_tokens"}.isdisjoint(TargetsConfig().cache_dict())
     assert "batch_size" in TrainConfig().cache_dict()  # training's batch size is semantic
 
@@ -440,7 +437,7 @@ def test_cache_dict_drops_every_resource_field_at_every_depth():
     cfg = load_config("paper")
     paths = list(_resource_paths(PipelineConfig))
     # the resource fields the brief of each class documents are among them
-    for expected in [("targets", "batch_size"), ("targets", "batch_tokens"), ("train", "num_workers"),
+    for expected in [("targets", "batch_size"), ("targets", "batch_tokens"),
                      ("model", "device"), ("verify", "answer_llm", "max_concurrency")]:
         assert expected in paths
     cache, full = cfg.cache_dict(), cfg.model_dump()
@@ -461,3 +458,17 @@ def test_stable_hash_is_sha256_of_canonical_json():
     assert stable_hash(data) != stable_hash({"b": [2, 1], "a": {"y": None, "x": 1.5}})
     llm = LLMConfig(temperature=0.2)
     assert stable_hash(llm) == stable_hash(llm.model_dump(mode="json"))
+
+
+def test_a_removed_key_is_refused_in_one_line_and_old_runs_still_open(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  num_workers: 2\n")
+    with pytest.raises(ConfigError, match=r"^train.num_workers is no longer a setting \(nothing read it.*remove "
+                                          r"it from .*c.yaml") as info:
+        load_config("tiny", str(path))
+    assert "\n" not in str(info.value)
+    with pytest.raises(ConfigError, match="train.num_workers is no longer a setting"):
+        load_config("tiny", None, None, ["train.num_workers=0"])
+    old = load_config("tiny").model_dump(mode="json")  # a run.json written before the key went
+    old["train"]["num_workers"] = 0
+    assert PipelineConfig.model_validate(old) == load_config("tiny")

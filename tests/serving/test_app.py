@@ -9,7 +9,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from nectar.ask import ask
+from nectar.serving.ask import ask
 from nectar.serving.app import create_app
 from nectar.serving.limits import ServeLimits
 

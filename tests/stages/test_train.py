@@ -17,7 +17,8 @@ from targets_fixture import DOC, make_targets  # noqa: E402
 from nectar.modules.io import load_module, read_spec  # noqa: E402
 from nectar.schemas.artifacts import TrainLogRow  # noqa: E402
 from nectar.schemas.config import ModuleConfig, TrainConfig  # noqa: E402
-from nectar.stages.train import TRAIN_OUTPUTS, TrainInputError, train  # noqa: E402
+from nectar.stages.train import TRAIN_OUTPUTS, train  # noqa: E402
+from nectar.training.fit import TrainInputError  # noqa: E402
 from nectar.tables import read_table  # noqa: E402
 
 CFG = TrainConfig(samples=96, batch_size=16, eval_every=3, checkpoint_every=3, peak_lr=3e-3,

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from nectar.tables import ArtifactError
-from nectar.training.data import TargetsData, batch_items, shard_for_rank, target_statistics
+from nectar.targets.reader import TargetsData
+from nectar.training.data import batch_items, shard_for_rank, stream, target_statistics
 
 
 @pytest.fixture(scope="module")
@@ -91,16 +92,16 @@ def test_incomplete_targets_are_refused(tiny_targets, tmp_path):
 def test_token_stream_visits_every_train_token_once_per_epoch_in_a_pure_order(data):
     train = np.sort(data.tokens("train"))
     n, b = len(train), 16
-    stream = data.stream("train", by_pairs=False, seed=3)  # window_tokens=4096: one window here
-    small = TargetsData(data.url, window_tokens=32).stream("train", by_pairs=False, seed=3)  # 2-chunk windows
-    for s in (stream, small):
+    tokens = stream(data, "train", by_pairs=False, seed=3)  # window_tokens=4096: one window here
+    small = stream(TargetsData(data.url, window_tokens=32), "train", by_pairs=False, seed=3)  # 2-chunk windows
+    for s in (tokens, small):
         assert s.n_items == n
         seen = np.concatenate([s.batch(step, b) for step in range(-(-2 * n // b))])
         assert np.array_equal(np.sort(seen[:n]), train) and np.array_equal(np.sort(seen[n:2 * n]), train)
         assert not np.array_equal(seen[:n], seen[n:2 * n])  # each epoch reshuffled
-    again = TargetsData(data.url, window_tokens=32).stream("train", by_pairs=False, seed=3)
+    again = stream(TargetsData(data.url, window_tokens=32), "train", by_pairs=False, seed=3)
     assert np.array_equal(again.batch(7, b), small.batch(7, b))  # resume: the order is a function of (seed, step)
-    other = TargetsData(data.url, window_tokens=32).stream("train", by_pairs=False, seed=4)
+    other = stream(TargetsData(data.url, window_tokens=32), "train", by_pairs=False, seed=4)
     assert not np.array_equal(other.batch(0, b), small.batch(0, b))
     # a 2-chunk window: the first 16 items of an epoch come from at most two chunks of the store
     first = small._window_items(0, 0)
@@ -134,10 +135,10 @@ def _epoch_peak_bytes(url, batch=64):
     import tracemalloc
 
     d = TargetsData(url, cache_bytes=0, window_tokens=128)  # 2-chunk windows: the cache holds 6 chunks
-    stream = d.stream("train", by_pairs=False, seed=0)
+    tokens = stream(d, "train", by_pairs=False, seed=0)
     tracemalloc.start()
-    for step in range(stream.n_items // batch):
-        d.rows(stream.batch(step, batch))
+    for step in range(tokens.n_items // batch):
+        d.rows(tokens.batch(step, batch))
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     d.close()

@@ -12,7 +12,8 @@ from nectar.stages.train import train
 from nectar.tables import read_table
 from nectar.schemas.artifacts import TrainLogRow
 from nectar.training.checkpoint import CHECKPOINT
-from nectar.training.data import TargetsData
+from nectar.targets.reader import TargetsData
+from nectar.training.data import stream as data_stream
 from nectar.training.loop import TrainingDiverged
 
 MODULE = ModuleConfig(rho=0.25, depths=(0, 2, 2))
@@ -87,7 +88,7 @@ def _poison(tiny_targets, tmp_path, steps, cfg):
     """Failure injection: a copy of the targets whose tokens used at ``steps`` hold NaN scores."""
     dst = tmp_path / "poisoned" / "targets.zarr"
     shutil.copytree(tiny_targets[0] + "/targets.zarr", dst)
-    stream = TargetsData(str(dst), window_tokens=cfg.shuffle_window_tokens).stream("train", False, cfg.seed)
+    stream = data_stream(TargetsData(str(dst), window_tokens=cfg.shuffle_window_tokens), "train", False, cfg.seed)
     bad = np.unique(np.concatenate([stream.batch(s, cfg.batch_size) for s in steps]))
     g = zarr.open_group(str(dst), mode="r+")
     alpha = g["alpha"][:]
@@ -120,7 +121,7 @@ def test_diverging_run_stops_with_a_clear_error_and_keeps_its_last_good_checkpoi
 def test_regression_scale_changes_the_loss_units_not_where_training_goes(tiny_llama, tiny_targets, tmp_path):
     """"mean" divides LA by L·Hq·d: a constant, so the optimum is the same point and Adam (invariant to
     a constant loss scale up to its eps; clipping off) takes the same path; only the logged units change."""
-    from nectar.stages.train import targets_zarr_url
+    from nectar.targets.store import targets_zarr_url
 
     targets, _, kv, _ = tiny_targets
     held = {}

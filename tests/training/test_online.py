@@ -7,10 +7,11 @@ from safetensors.torch import load_file
 
 from nectar.schemas.artifacts import TrainLogRow
 from nectar.schemas.config import ModuleConfig, TrainConfig
-from nectar.stages.train import TrainInputError, train
+from nectar.stages.train import train
+from nectar.training.fit import TrainInputError
 from nectar.tables import read_table
 from nectar.targets.online import OnlineTargets
-from nectar.training.data import TargetsData
+from nectar.targets.reader import TargetsData
 from float_tolerance import assert_close_reordered, assert_trained_close
 from targets_fixture import DOC, make_targets
 

@@ -17,9 +17,9 @@ from ..baselines import fit_baseline
 from ..integrity import hash_file
 from ..modules.builder import plan_from_config
 from ..modules.io import load_module
-from ..serving.vllm_format import STATE_FILE
-from ..serving.vllm_state import KV_BASELINE, ExportedState, NotPlainKV, plain_kv_pairs, reusable_state, write_state
-from .context import load_base, load_run_doc_kv, open_run
+from ..orchestration.context import load_base, load_run_doc_kv, open_run
+from .vllm_format import STATE_FILE
+from .vllm_state import KV_BASELINE, ExportedState, NotPlainKV, plain_kv_pairs, reusable_state, write_state
 
 
 def export_run_state(run_dir: str, source: str | None = None, log=print) -> ExportedState:

@@ -2,7 +2,7 @@
 
 The base model sees only the question's query tokens, at positions n, n+1, … (as if the n-token
 document preceded them); every attention layer blends the module's (A_θ, a_θ) with the local
-causal state over the question and the answer so far (DESIGN.md §2). No document KV is loaded:
+causal state over the question and the answer so far (docs/design.md §2). No document KV is loaded:
 memory is the base model plus the module and a local cache of the query tokens.
 """
 from __future__ import annotations
@@ -10,13 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from .attention.engine import generate
-from .layout import PromptLayout
-from .base_model import BaseLM
-from .modules.builder import NectarModule
-from .modules.provider import inference_provider
-
-TextCallback = Callable[[str], None]
+from ..attention.engine import generate
+from ..base_model import BaseLM
+from ..layout import PromptLayout
+from ..modules.builder import NectarModule
+from ..modules.provider import inference_provider
+from .loader import load_served_module
+from .text_stream import Detokenizer, TextCallback
 
 
 @dataclass
@@ -24,27 +24,6 @@ class Answer:
     text: str
     token_ids: list[int]
     n_context: int  # the document length the module stands in for
-
-
-class _Detokenizer:
-    """Turns a growing token list into text deltas (holding back incomplete UTF-8 sequences)."""
-
-    def __init__(self, tokenizer, callback: TextCallback | None):
-        self.tokenizer, self.callback = tokenizer, callback
-        self.tokens: list[int] = []
-        self.emitted = ""
-
-    def push(self, token: int) -> None:
-        self.tokens.append(token)
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        if text.endswith("\ufffd"):  # a multi-byte character split across tokens: wait for the rest
-            return
-        delta, self.emitted = text[len(self.emitted):], text
-        if delta and self.callback is not None:
-            self.callback(delta)
-
-    def text(self) -> str:
-        return self.tokenizer.decode(self.tokens, skip_special_tokens=True)
 
 
 def stream_tokens(base: BaseLM, provider, n: int, prompt: list[int], max_new_tokens: int,
@@ -61,7 +40,7 @@ def answer(base: BaseLM, module: NectarModule, layout: PromptLayout, n_context: 
            top_p: float = 0.8, seed: int = 0) -> Answer:
     if not question.strip():
         raise ValueError("the question is empty")
-    detok = _Detokenizer(base.tokenizer, stream)
+    detok = Detokenizer(base.tokenizer, stream)
     prompt = layout.prompt(question).ids
     provider = inference_provider(module, base.dtype)  # the fused module (modules/fused.py)
     tokens = stream_tokens(base, provider, n_context, prompt, max_new_tokens, temperature, top_p, seed, detok.push)
@@ -76,9 +55,7 @@ def ask(run_dir: str, question: str, stream: TextCallback | None = None, *,
     Generation defaults are the run's evaluation settings (nucleus p, temperature, the non-QA
     token limit); the module is checked against the run's model and document before use.
     """
-    from .serving.loader import load_served_module  # the server's loader: the same checks
-
-    served = load_served_module(run_dir)
+    served = load_served_module(run_dir)  # the server's loader: the same checks
     base, module, layout, spec, ev = served.base, served.module, served.layout, served.spec, served.defaults
     return answer(base, module, layout, spec.n_context, question, stream,
                   max_new_tokens if max_new_tokens is not None else ev.max_tokens,

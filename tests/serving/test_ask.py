@@ -4,7 +4,7 @@ answer is the full-context model's own greedy answer. ``ask`` works on a run dir
 import pytest
 import torch
 
-from nectar.ask import answer, ask
+from nectar.serving.ask import answer, ask
 from nectar.attention.doc_kv import prefill_document
 from nectar.attention.exact import ExactDocState
 from nectar.attention.engine import generate
