@@ -19,7 +19,7 @@ from nectar.serving.vllm_engine import (DEFAULT_VLLM_PYTHON, ServedDocument, VLL
 from nectar.serving.vllm_equivalence import equivalence, token_ids, torch_provider, vllm_complete
 from nectar.serving.vllm_state import write_state
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400), pytest.mark.skipif(
     not os.path.exists(os.path.expanduser(os.environ.get("NECTAR_VLLM_PYTHON", DEFAULT_VLLM_PYTHON))),
     reason="no vLLM environment")]
 
