@@ -31,7 +31,8 @@ DOCS = {
 }
 QUESTIONS = ["Who is named in the document?", "What year is mentioned?", "Summarize the document.",
              "What happened first?"]
-M = 32  # pseudo-tokens: the first M tokens' exact KV (a truncate state, plain KV)
+M = 32  # pseudo-tokens: the exact KV of the document's LAST M tokens (plain KV; the first M are the
+# chat template and wrapper, the same for every document)
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +45,9 @@ def served(tmp_path_factory):
         layout = build_layout(base.tokenizer, text)
         kv = prefill_document(base, layout.context_ids)
         path = str(tmp / f"{doc_id}.safetensors")
-        write_state(path, [k[:, :M].float().cpu() for k in kv.keys], [v[:, :M].float().cpu() for v in kv.values],
-                    base, layout.n, doc_id, "truncate")
+        # keys at positions n-M … n-1: write_state's shift by −(n − M) moves them to 0 … M-1
+        write_state(path, [k[:, -M:].float().cpu() for k in kv.keys], [v[:, -M:].float().cpu() for v in kv.values],
+                    base, layout.n, doc_id, "last-tokens")
         layouts[doc_id] = layout
         docs.append(ServedDocument(doc_id, path, M))
     port = free_port()
