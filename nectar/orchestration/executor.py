@@ -88,12 +88,16 @@ class RunDir:
         atomic_write(self.url(stage, "error.json"),
                      json.dumps({"stage": stage, "at": now(), "error": message}, indent=2))
 
-    def read_error(self, stage: str) -> dict[str, Any] | None:
-        fs, path = fsspec.core.url_to_fs(self.url(stage, "error.json"))
+    def read_json(self, *parts: str) -> Any:
+        """The JSON file at ``parts`` under the run, or None when there is none."""
+        fs, path = fsspec.core.url_to_fs(self.url(*parts))
         if not fs.exists(path):
             return None
         with fs.open(path, "r") as f:
             return json.load(f)
+
+    def read_error(self, stage: str) -> dict[str, Any] | None:
+        return self.read_json(stage, "error.json")
 
     def clear_error(self, stage: str) -> None:
         fs, path = fsspec.core.url_to_fs(self.url(stage, "error.json"))
@@ -279,11 +283,7 @@ def _record_invocation(run: RunDir, stage: str, status: str) -> None:
 
 
 def last_invocation(run: RunDir, stage: str) -> dict[str, Any] | None:
-    fs, path = fsspec.core.url_to_fs(run.url(stage, "last_invocation.json"))
-    if not fs.exists(path):
-        return None
-    with fs.open(path, "r") as f:
-        return json.load(f)
+    return run.read_json(stage, "last_invocation.json")
 
 
 def stale_reason(run: RunDir, stage: str, manifest: StageManifest) -> str | None:

@@ -47,10 +47,7 @@ def stage_extra_tables(ctx: RunContext, stage: str) -> dict[str, list[dict[str, 
 
 
 def read_eval_tables(run: RunDir) -> dict[str, list[dict[str, Any]]]:
-    if not run.exists("evaluate", "tables.json"):
-        return {}
-    with run.fs.open(run.local_path("evaluate", "tables.json"), "r") as f:
-        return json.load(f)
+    return run.read_json("evaluate", "tables.json") or {}
 
 
 def write_json(url: str, data: Any) -> None:

@@ -303,12 +303,9 @@ def _print_status(run_dir: str) -> None:
 
 def _print_comparison(run) -> None:
     """One line pointing at the run's equal-bytes comparison (``nectar compare``), when there is one."""
-    import json
-
-    if not run.exists("compare", "info.json"):
+    info = run.read_json("compare", "info.json")
+    if info is None:
         return
-    with run.fs.open(run.local_path("compare", "info.json"), "r") as f:
-        info = json.load(f)
     splits = ", ".join(f"{s} {n} pairs" for s, n in info.get("splits", {}).items())
     Console().print(f"comparison: {run.url('compare', 'comparison.md')} ({len(info.get('systems', []))} systems, "
                     f"ρ {', '.join(f'{r:g}' for r in info.get('rhos', []))}; {splits}; {info.get('created_at', '')})",
