@@ -16,6 +16,9 @@ counted the same way (every saved tensor).
   kvzip               keys scored by reconstructing the document (max over its spans), one budget
                       across all layers and KV heads, sinks kept, optionally with the fitted β and
                       values (``fit_kvzip``, nectar/baselines/kvzip.py; SelectionConfig switches each)
+  attention_matching_kv  the β-free refit: keys selected as for evict, least-squares values with no
+                      bias, and the SAME p in every layer (the plan's total over 2d per head and layer):
+                      plain KV of m = p pseudo-tokens, which vLLM serves (nectar.serving.vllm_state)
 
 p_ℓ follows the module plan's per-layer budgets P_ℓ (layer multipliers included), so a baseline and
 a module of the same ρ store the same number of parameters (up to one pair of rounding per head);
@@ -42,8 +45,8 @@ from .init import MAX_FIT_TOKENS, QueryTargets, init_quadrature, training_querie
 from .kvzip import allocate, anchor_mask, build_selected, recon_capture, selection_plan, template_mask
 from .selection import KeyScore
 
-BaselineName = Literal["truncate", "evict", "attention_matching", "kvzip"]
-BASELINES: tuple[str, ...] = ("truncate", "evict", "attention_matching")  # fit_baseline's (kvzip: fit_kvzip)
+BaselineName = Literal["truncate", "evict", "attention_matching", "attention_matching_kv", "kvzip"]
+BASELINES: tuple[str, ...] = ("truncate", "evict", "attention_matching", "attention_matching_kv")  # fit_baseline's (kvzip: fit_kvzip)
 
 
 @dataclass
@@ -107,6 +110,9 @@ def baseline_plan(name: str, plan: ModulePlan, bits: int | None = None) -> Modul
     if name == "truncate":  # same tokens in every layer: the mean per-head bytes, 4·ρ·2nd (float32 KV)
         p = max(1, min(n, pairs_in_bytes(4 * plan.rho * n * 2 * d * (1 + 1e-9), d, False, bits, g)))
         pairs = (p,) * plan.num_layers
+    elif name == "attention_matching_kv":  # plain KV: one count for every layer, the plan's total bytes
+        p = max(1, min(n, sum(plan.budgets) // (2 * d * plan.num_layers)))
+        pairs = (p,) * plan.num_layers
     else:
         pairs = tuple(max(1, min(n, pairs_in_bytes(4 * b, d, bias, bits, g))) for b in plan.budgets)
     return dataclasses.replace(plan, arch="quadrature", quad_pairs=pairs, mlp_widths=(), quad_bias=bias, bits=bits)
@@ -118,7 +124,8 @@ def fit_baseline(name: str, doc_kv, targets_url: str, plan: ModulePlan, seed: in
     at ``bits`` (default the plan's)."""
     qplan = baseline_plan(name, plan, bits)
     module = build_module(qplan)
-    init = {"truncate": "first", "evict": "evict", "attention_matching": "attention_matching"}[name]
+    init = {"truncate": "first", "evict": "evict", "attention_matching": "attention_matching",
+            "attention_matching_kv": "attention_matching_kv"}[name]
     data = None if init == "first" else training_queries(targets_url, seed, max_tokens or MAX_FIT_TOKENS)
     init_quadrature(module, qplan, init, doc_kv, data, score)
     return FittedBaseline(name, quantize_module_(module).eval(), qplan)

@@ -49,13 +49,14 @@ def training_queries(targets, seed: int = 0, max_tokens: int | None = None) -> Q
 def init_quadrature(module: NectarModule, plan: ModulePlan, init: str, doc_kv, data: QueryTargets | None,
                     score: KeyScore = "mean") -> None:
     """Set every quadrature layer's (W, Z, β) from the document KV: the first p rows (``first``), the
-    p most-attended rows (``evict``), or those rows with Attention Matching's β and values.
+    p most-attended rows (``evict``), or those rows with Attention Matching's β and values
+    (``attention_matching_kv``: with β = 0, values only).
 
     At ``plan.bits`` < 32 the Attention Matching fit is aware of the rounding: β is fitted to the
     masses of the quantized keys, and the values to the attention of the quantized keys and β."""
     if plan.arch != "quadrature":
         raise ValueError(f"init {init!r} is for quadrature modules, not {plan.arch!r}")
-    if init not in ("first", "evict", "attention_matching"):
+    if init not in ("first", "evict", "attention_matching", "attention_matching_kv"):
         raise ValueError(f"unknown quadrature init {init!r}")
     if init == "attention_matching" and not plan.quad_bias:
         raise ValueError("attention_matching init fits a log-mass bias: set train.module.bias=true")
@@ -85,6 +86,9 @@ def init_quadrature(module: NectarModule, plan: ModulePlan, init: str, doc_kv, d
                 continue
             Wh = quant(keys[h, idx])  # [p, d]: the keys as they will be stored
             mass = attention_probs(q[:, h], alpha[:, h], Wh, plan.scaling) if plan.bits < 32 else probs[:, idx]
+            if init == "attention_matching_kv":  # β = 0 (plain KV, what vLLM serves): only the values are refit
+                W.append(Wh), Z.append(quant(fit_values(mass, torch.zeros(p), A[:, h], values[h, idx]).float()))
+                continue
             beta = fit_log_mass(mass)  # [p]; float64 from NNLS, kept so at 32 bits the fit is unchanged
             if plan.bits < 32:
                 beta = quant(beta.float())

@@ -81,6 +81,8 @@ for _s in (
     System("evict", "baseline", "exact KV of the ρ·n most-attended tokens per KV head", baseline="evict"),
     System("attention_matching", "baseline", "the evicted keys with fitted log-mass biases and "
            "least-squares values (Zweiger et al., 2026)", baseline="attention_matching"),
+    System("attention_matching_kv", "baseline", "attention_matching without the bias (β = 0) and the same "
+           "number of keys in every layer: plain KV, what vLLM serves", baseline="attention_matching_kv"),
     # KVzip-style selection (nectar/baselines/kvzip.py) and its ablations: each differs from
     # kvzip_select / kvzip_fit in one SelectionConfig switch.
     System("kvzip_select", "baseline", "exact KV of the keys reconstruction attends to most (max over spans), "

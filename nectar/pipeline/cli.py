@@ -321,6 +321,32 @@ def serve_cmd(
     shutdown.exit_now(0)
 
 
+@app.command("serve-vllm")
+def serve_vllm_cmd(
+    run_dirs: List[str] = typer.Argument(..., help="Run directories (one per document, same base model)."),
+    host: str = typer.Option("127.0.0.1", help="Interface vLLM listens on."),
+    port: int = typer.Option(8000, help="TCP port (0: any free port; the URL is printed)."),
+    dtype: str = typer.Option("bfloat16", help="vLLM's dtype (float32 reproduces the torch engine most closely)."),
+    max_model_len: int = typer.Option(4096, help="vLLM's window: m pseudo-tokens + query + answer."),
+    kv_cache_gib: int = typer.Option(2, help="VLLM_CPU_KVCACHE_SPACE (GiB) on CPU."),
+    enforce_eager: bool = typer.Option(False, help="Skip torch.compile (faster start, slower decode)."),
+    state: Optional[str] = typer.Option(None, help="Which state: trained, or a plain-KV baseline "
+                                        "(attention_matching_kv, truncate); default: trained if plain KV, else "
+                                        "attention_matching_kv."),
+) -> None:
+    """Serve runs' document states through vLLM (OpenAI API) with the NECTAR KV connector."""
+    from ..serving.vllm_engine import VLLMStartError
+    from ..serving.vllm_state import NotPlainKV
+    from .serve_vllm import VLLMOptions, serve_vllm
+
+    try:
+        serve_vllm(run_dirs, VLLMOptions(host, port, dtype, max_model_len, kv_cache_gib, enforce_eager,
+                                         source=state), log=console.print)
+    except (NotPlainKV, VLLMStartError, FileNotFoundError, ValueError) as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(1)
+
+
 def _print_status(run_dir: str) -> None:
     from ..orchestration import available_stages
     from ..orchestration.executor import RunDir, stage_status

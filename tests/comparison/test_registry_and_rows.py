@@ -8,9 +8,9 @@ from nectar.tables import ArtifactError, read_table, write_table
 
 
 def test_registry_holds_the_issue_systems_once_each():
-    quantized = [f"{b}@int{bits}" for bits in (8, 4) for b in (*BASELINES, "matching")]
+    quantized = [f"{b}@int{bits}" for bits in (8, 4) for b in ("truncate", "evict", "attention_matching", "matching")]
     assert list(SYSTEMS) == ["none", "full", "regression", "mixed", "distill", "cartridges", "matching", "truncate",
-                             "evict", "attention_matching", "kvzip_select", "kvzip_select_layer",
+                             "evict", "attention_matching", "attention_matching_kv", "kvzip_select", "kvzip_select_layer",
                              "kvzip_select_mean", "kvzip_fit", "kvzip_fit_layer", "kvzip_fit_recon",
                              "kvzip_fit_nosink", "kvzip_fit_template", "kvzip_train", "kvzip_train_recon", "kvzip_distill",
                              *quantized]

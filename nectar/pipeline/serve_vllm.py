@@ -1,0 +1,96 @@
+"""``nectar serve-vllm RUN_DIR…``: export each run's plain-KV state and serve it through vLLM.
+
+One vLLM server for the runs' shared base model; each run's document is a state the NECTAR KV
+connector writes into its requests' first m cache slots (``nectar.serving.vllm_connector``). Every
+state must come from that base model (weights hash), or the command stops before starting vLLM.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from dataclasses import dataclass
+
+from ..base_model import embedded_smollm2_dir
+from ..layout import build_layout
+from ..orchestration.context import open_run
+from ..serving.vllm_export import export_run_state
+from ..serving.vllm_engine import (ServedDocument, VLLMServer, chat_template, free_port, placeholder_token,
+                                   server_command, server_env)
+from ..serving.vllm_state import ExportedState, NotPlainKV, check_state, verify_state
+
+
+@dataclass(frozen=True)
+class VLLMOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    dtype: str = "bfloat16"
+    max_model_len: int = 4096
+    kv_cache_gib: int = 2
+    enforce_eager: bool = False
+    served_name: str | None = None
+    source: str | None = None  # None: the trained module if plain KV, else attention_matching_kv
+    max_logprobs: int = 20
+
+
+def model_path(name: str) -> str:
+    """The folder vLLM loads: the embedded model's, or the run's model folder (tiny:* cannot be served)."""
+    if name == "embedded:smollm2-135m":
+        return str(embedded_smollm2_dir())
+    if name.startswith(("tiny:", "embedded:")):
+        raise NotPlainKV(f"model {name!r} has no model folder vLLM can load; serve a run of a Hugging Face model")
+    return name
+
+
+def check_same_base(states: list[tuple[str, ExportedState]]) -> None:
+    """Every state must come from the first one's base model (vLLM serves one model)."""
+    first_dir, first = states[0]
+    for run_dir, st in states[1:]:
+        check_state(st.path, first.base_model_hash)  # raises naming both models
+
+
+def prepare(run_dirs: list[str], opts: VLLMOptions, log=print):
+    """Export/verify every run's state → (command, env, log path, documents)."""
+    states = [(d, export_run_state(d, opts.source, log)) for d in run_dirs]
+    for _, st in states:
+        verify_state(st.path)
+    check_same_base(states)
+    ctx = open_run(run_dirs[0])
+    from transformers import AutoTokenizer
+
+    path = model_path(states[0][1].base_model)
+    tok = AutoTokenizer.from_pretrained(path)
+    pid, ptext = placeholder_token(tok)
+    docs = [ServedDocument(st.doc_id, st.path, st.m) for _, st in states]
+    if len({d.doc_id for d in docs}) != len(docs):
+        raise NotPlainKV("two runs of the same document: serve one run per document")
+    out_dir = os.path.dirname(states[0][1].path)
+    template = os.path.join(out_dir, "chat_template.jinja")
+    with open(template, "w") as f:
+        f.write(chat_template(build_layout(tok, ctx.text), docs, ptext))
+    port = opts.port or free_port()
+    name = opts.served_name or "nectar-" + states[0][1].base_model.split("/")[-1].replace(":", "-")
+    cmd = server_command(path, docs, pid, port, served_name=name, dtype=opts.dtype,
+                         max_model_len=opts.max_model_len, chat_template_path=template, host=opts.host,
+                         enforce_eager=opts.enforce_eager, max_logprobs=opts.max_logprobs)
+    return cmd, server_env(opts.kv_cache_gib), os.path.join(out_dir, "server.log"), docs, port, name, pid
+
+
+def serve_vllm(run_dirs: list[str], opts: VLLMOptions, log=print) -> None:
+    cmd, env, log_path, docs, port, name, pid = prepare(run_dirs, opts, log)
+    server = VLLMServer(cmd, env, log_path, port, opts.host)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        log(f"starting vLLM (log {log_path}) …")
+        server.wait_healthy()
+        log(f"serving {server.url}/v1 model={name!r}")
+        for d in docs:
+            log(f"  document {d.doc_id}: m={d.m} pseudo-tokens; send cache_salt={d.doc_id!r} "
+                f"(chat: chat_template_kwargs={{'document': {d.doc_id!r}}})")
+        while not stop.wait(1.0):
+            if server.proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited with status {server.proc.returncode}; see {log_path}")
+    finally:
+        server.stop()

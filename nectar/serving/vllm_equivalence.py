@@ -1,0 +1,127 @@
+"""Does vLLM with a document's state answer as the torch engine with the same state?
+
+For each instruction: the torch engine (``nectar.attention.engine.generate``, the state as an exact
+KV provider at the document's positions) and vLLM (``/v1/completions`` on the placeholder prompt,
+``cache_salt`` naming the document) each decode ``new_tokens`` greedy tokens with no stop token; the
+first ``new_tokens`` must be identical. The per-token KL(torch ‖ vLLM) is measured along vLLM's
+tokens: torch's full distribution (teacher-forced) against vLLM's top-k log-probabilities with the
+rest of the vocabulary as one bucket — a coarse-graining, so it is a lower bound of the full KL that
+is tight when the top k hold nearly all the mass (k = 1000 here: the bucket is reported).
+"""
+from __future__ import annotations
+
+import json
+import math
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..attention.doc_kv import DocKV
+from ..attention.engine import generate
+from ..attention.exact import ExactDocState
+from ..attention.forward import query_logits
+from ..base_model import BaseLM
+from ..evaluation.bootstrap import Estimate, PairedBootstrap
+from ..layout import PromptLayout
+from .vllm_state import check_state, rope_inv_freq, shift_keys
+
+
+def torch_provider(state_path: str, base: BaseLM) -> tuple[ExactDocState, int]:
+    """The state file as the torch engine's exact KV provider (keys rotated back to the document's
+    positions) and the document length n the engine places the query after."""
+    from safetensors.torch import load_file
+
+    meta = check_state(state_path, base.weights_hash)
+    n, m, layers = int(meta["n"]), int(meta["m"]), int(meta["num_layers"])
+    t = load_file(state_path)
+    inv = rope_inv_freq(base)
+    keys = [shift_keys(t[f"k.{i}"], inv, n - m).to(base.device, base.dtype) for i in range(layers)]  # [hkv, m, d]
+    values = [t[f"v.{i}"].to(base.device, base.dtype) for i in range(layers)]
+    return ExactDocState(DocKV(keys, values), backend="torch"), n
+
+
+def vllm_complete(url: str, model: str, prompt: list[int], max_tokens: int, doc_id: str | None,
+                  logprobs: int = 0, timeout_s: float = 600.0, **extra) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "return_tokens_as_token_ids": True, **extra}
+    if logprobs:
+        body["logprobs"] = logprobs
+    if doc_id is not None:
+        body["cache_salt"] = doc_id
+    req = urllib.request.Request(url.rstrip("/") + "/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        return json.loads(r.read())["choices"][0]
+
+
+def token_ids(choice: dict) -> list[int]:
+    """Generated ids of a completion choice (``return_tokens_as_token_ids``: tokens are 'token_id:N')."""
+    if choice.get("token_ids"):
+        return list(choice["token_ids"])
+    return [int(t.split(":", 1)[1]) for t in choice["logprobs"]["tokens"]]
+
+
+def coarse_kl(torch_logp: torch.Tensor, top: dict[str, float]) -> tuple[float, float]:
+    """KL(torch ‖ vLLM) over {vLLM's top-k tokens, the rest} and the rest's vLLM mass.
+    torch_logp [V] float64 log-probabilities; top {'token_id:N': logprob}."""
+    ids = torch.tensor([int(k.split(":", 1)[1]) for k in top], dtype=torch.long)
+    lv = torch.tensor(list(top.values()), dtype=torch.float64)  # [k]
+    lt = torch_logp[ids]  # [k]
+    kl = float((lt.exp() * (lt - lv)).sum())
+    rest_t = max(0.0, 1.0 - float(lt.exp().sum()))
+    rest_v = max(1e-300, 1.0 - float(lv.exp().sum()))
+    if rest_t > 0:
+        kl += rest_t * math.log(rest_t / rest_v)
+    return kl, rest_v
+
+
+@dataclass
+class Equivalence:
+    prompts: int
+    tokens: int
+    identical: Estimate  # share of prompts whose first new_tokens greedy tokens are identical
+    kl: Estimate  # per-token KL(torch ‖ vLLM), nats
+    max_rest_mass: float  # largest vLLM mass outside its top k (how tight the KL bound is)
+    first_divergence: list[int | None]  # per prompt: index of the first differing token, None if none
+
+    def line(self) -> str:
+        return (f"{self.prompts} prompts × {self.tokens // max(self.prompts, 1)} tokens: identical greedy "
+                f"{self.identical.fmt(3)}; per-token KL(torch‖vLLM) {self.kl.fmt(6)} nats "
+                f"(top-k rest mass ≤ {self.max_rest_mass:.1e})")
+
+
+@torch.no_grad()
+def equivalence(base: BaseLM, layout: PromptLayout, state_path: str, url: str, model: str,
+                instructions: list[str], placeholder_id: int, doc_id: str | None, new_tokens: int = 32,
+                top_k: int = 1000, seed: int = 0) -> Equivalence:
+    provider, n = torch_provider(state_path, base)
+    m = int(check_state(state_path, base.weights_hash)["m"])
+    prompts = [layout.prompt(text).ids for text in instructions]
+    with ThreadPoolExecutor(max_workers=16) as pool:  # in flight together: vLLM batches them
+        choices = list(pool.map(lambda p: vllm_complete(url, model, [placeholder_id] * m + p, new_tokens, doc_id,
+                                                         logprobs=top_k), prompts))
+    torch_out = generate(base, provider, n, prompts, new_tokens, stop_ids=()).tokens
+    same, kl_sums, counts, rests, first = [], [], [], [], []
+    for prompt, mine, choice in zip(prompts, torch_out, choices):
+        theirs = token_ids(choice)
+        diff = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), None)
+        if diff is None and len(mine) != len(theirs):
+            diff = min(len(mine), len(theirs))
+        first.append(diff)
+        same.append(float(diff is None))
+        ids = torch.tensor([prompt + theirs[:-1]], device=base.device)  # [1, L]
+        logp = torch.log_softmax(query_logits(base, provider, ids, n)[0, len(prompt) - 1:].double(), -1)  # [T, V]
+        total = 0.0
+        for t, top in enumerate(choice["logprobs"]["top_logprobs"]):
+            kl, rest = coarse_kl(logp[t].cpu(), top)
+            total += kl
+            rests.append(rest)
+        kl_sums.append(total)
+        counts.append(len(theirs))
+    boot = PairedBootstrap(len(prompts), seed=seed, key="vllm-equivalence")
+    return Equivalence(len(prompts), int(sum(counts)), boot.mean(np.array(same)),
+                       boot.ratio(np.array(kl_sums), np.array(counts, dtype=float)),
+                       float(max(rests)) if rests else float("nan"), first)

@@ -1,0 +1,58 @@
+"""Export a run's document state for vLLM (``nectar serve-vllm``): the trained module when it is plain
+KV already (bias-free quadrature, one count per layer), else the β-free refit
+``attention_matching_kv`` at the run's budget ρ (closed form, seconds). The file is written beside the
+run's stages in ``<run>/vllm/`` (``state.v1.safetensors`` + ``state.json`` with its sha256) and reused
+while its digest, base model, document and source still match.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import fsspec
+import torch
+
+from ..baselines import fit_baseline
+from ..integrity import hash_file
+from ..modules.builder import plan_from_config
+from ..modules.io import load_module
+from ..orchestration.context import load_base, load_run_doc_kv, open_run
+from .vllm_format import STATE_FILE
+from .vllm_state import KV_BASELINE, ExportedState, NotPlainKV, plain_kv_pairs, reusable_state, write_state
+
+
+def export_run_state(run_dir: str, source: str | None = None, log=print) -> ExportedState:
+    """Export (or reuse, when its digest and metadata still match) the run's plain-KV state."""
+    ctx = open_run(run_dir)
+    base = load_base(ctx.config)
+    out_dir = os.path.abspath(os.path.join(ctx.run.root, "vllm"))
+    path, record = os.path.join(out_dir, STATE_FILE), os.path.join(out_dir, "state.json")
+    reused = reusable_state(path, record, base.weights_hash, ctx.info.sha256, source)
+    if reused is not None:
+        return dataclasses.replace(reused, doc_id=ctx.info.doc_id)
+    doc_kv = load_run_doc_kv(ctx)
+    keys = values = None
+    if source in (None, "trained") and ctx.run.exists("train", "module.json"):
+        module, _ = load_module(ctx.run.url("train"), base, ctx.info.sha256, device=torch.device("cpu"))
+        try:
+            keys, values = plain_kv_pairs(module)
+            source = "trained"
+        except NotPlainKV as exc:
+            if source == "trained":
+                raise
+            log(f"the trained module is not plain KV ({exc}); serving the β-free refit {KV_BASELINE!r}")
+    if keys is None:
+        name = source if source not in (None, "trained") else KV_BASELINE
+        plan = plan_from_config(ctx.config.train.module, num_layers=base.num_layers, num_kv_heads=base.num_kv_heads,
+                                head_dim=base.head_dim, n_context=doc_kv.n, scaling=base.scaling)
+        fitted = fit_baseline(name, doc_kv, ctx.stage_run("targets").url("targets"), plan, seed=ctx.config.train.seed)
+        keys, values = plain_kv_pairs(fitted.module)
+        source = name
+    os.makedirs(out_dir, exist_ok=True)
+    write_state(path, keys, values, base, doc_kv.n, ctx.info.sha256, source)
+    digest, size = hash_file(fsspec.filesystem("file"), path)
+    with open(record, "w") as f:
+        json.dump({"file": STATE_FILE, "sha256": digest, "bytes": size, "source": source}, f, indent=1)
+    return ExportedState(os.path.abspath(path), digest, keys[0].shape[1], doc_kv.n, source, ctx.info.doc_id,
+                         base.name, base.weights_hash)

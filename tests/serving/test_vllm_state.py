@@ -1,0 +1,90 @@
+"""The plain-KV state vLLM serves: RoPE shift identity (plain and YaRN), which states qualify, the
+β-free refit's plan, the chat template's tokens, and refusing a state of another base model."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from nectar.base_model import _tiny
+from nectar.baselines import BASELINES, baseline_plan
+from nectar.modules.builder import build_module, plan_from_config
+from nectar.schemas.config import ModuleConfig
+from nectar.serving.vllm_state import NotPlainKV, check_state, plain_kv_pairs, rope_inv_freq, shift_keys, write_state
+
+
+def _rotated(model, x: torch.Tensor, positions: list[int]) -> torch.Tensor:
+    """x [1, h, T, d] rotated at ``positions`` by the model's own rotary embedding (attention factor included)."""
+    pos = torch.tensor([positions])
+    cos, sin = model.model.rotary_emb(x, pos)
+    out, _ = apply_rotary_pos_emb(x, x, cos, sin)
+    return out
+
+
+@pytest.mark.parametrize("rope", [None, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}])
+def test_shifted_keys_give_the_same_scores_at_the_new_positions(rope):
+    model, _ = _tiny("llama", rope)
+    inv = next(mod.inv_freq for mod in model.modules() if hasattr(mod, "inv_freq")).float()
+    g = torch.Generator().manual_seed(0)
+    n, m, d = 3000, 150, 16
+    q, k = torch.randn(1, 1, 4, d, generator=g), torch.randn(1, 1, 5, d, generator=g)
+    doc_pos = [0, 7, 1000, 2500, n - 1]
+    keys = _rotated(model, k, doc_pos)  # as captured at document positions j
+    q_doc = _rotated(model, q, [n + t for t in range(4)])  # torch engine: queries at n + t
+    q_vllm = _rotated(model, q, [m + t for t in range(4)])  # vLLM: queries at m + t
+    want = q_doc @ keys.transpose(-1, -2)  # [1, 1, 4, 5]
+    got = q_vllm @ shift_keys(keys, inv, -(n - m)).transpose(-1, -2)
+    assert torch.allclose(got, want, atol=1e-4 * float(want.abs().max()), rtol=0)
+
+
+def _plan():
+    return plan_from_config(ModuleConfig(arch="quadrature", rho=0.1, bias=True), num_layers=4, num_kv_heads=2,
+                            head_dim=16, n_context=400, scaling=0.25)
+
+
+def test_attention_matching_kv_is_uniform_bias_free_and_within_the_budget():
+    assert "attention_matching_kv" in BASELINES
+    plan = _plan()
+    kv = baseline_plan("attention_matching_kv", plan)
+    assert len(set(kv.quad_pairs)) == 1 and not kv.quad_bias
+    stored = sum(2 * p * plan.head_dim for p in kv.quad_pairs)
+    assert 0.9 * sum(plan.budgets) <= stored <= sum(plan.budgets)
+    keys, values = plain_kv_pairs(build_module(kv))
+    assert keys[0].shape == (plan.num_kv_heads, kv.quad_pairs[0], plan.head_dim)
+
+
+def test_states_that_are_not_plain_kv_are_refused():
+    plan = _plan()
+    evict = build_module(baseline_plan("evict", plan))  # per-layer counts follow the layer multipliers
+    with pytest.raises(NotPlainKV, match="different layers"):
+        plain_kv_pairs(evict)
+    uniform = dataclasses.replace(baseline_plan("truncate", plan), quad_bias=True)
+    biased = build_module(uniform)
+    with torch.no_grad():
+        biased.layers[1].beta.fill_(0.5)
+    with pytest.raises(NotPlainKV, match="β"):
+        plain_kv_pairs(biased)
+    with pytest.raises(NotPlainKV, match="not a quadrature"):
+        plain_kv_pairs(build_module(plan_from_config(ModuleConfig(arch="mlp", rho=0.1), num_layers=4, num_kv_heads=2,
+                                                     head_dim=16, n_context=4000, scaling=0.25)))
+
+
+class _Base:
+    def __init__(self, model, name, weights_hash):
+        self.model, self.name, self.weights_hash = model, name, weights_hash
+
+
+def test_a_state_of_another_base_model_is_refused(tmp_path):
+    model, _ = _tiny("llama")
+    base = _Base(model, "tiny:llama", "a" * 64)
+    keys = [torch.randn(2, 8, 16) for _ in range(2)]
+    path = str(tmp_path / "state.v1.safetensors")
+    write_state(path, keys, keys, base, n=100, doc_sha256="d" * 64, source="truncate")
+    assert check_state(path, "a" * 64, "d" * 64)["m"] == "8"
+    with pytest.raises(NotPlainKV, match="base model 'tiny:llama'"):
+        check_state(path, "b" * 64)
+    with pytest.raises(NotPlainKV, match="another document"):
+        check_state(path, "a" * 64, "e" * 64)
+    assert torch.equal(rope_inv_freq(base), next(m.inv_freq for m in model.modules() if hasattr(m, "inv_freq")).float())
