@@ -111,7 +111,7 @@ def baseline_plan(name: str, plan: ModulePlan, bits: int | None = None) -> Modul
         p = max(1, min(n, pairs_in_bytes(4 * plan.rho * n * 2 * d * (1 + 1e-9), d, False, bits, g)))
         pairs = (p,) * plan.num_layers
     elif name == "attention_matching_kv":  # plain KV: one count for every layer, the plan's total bytes
-        p = max(1, min(n, sum(plan.budgets) // (2 * d * plan.num_layers)))
+        p = max(1, min(n, pairs_in_bytes(4 * sum(plan.budgets) // plan.num_layers, d, False, bits, g)))
         pairs = (p,) * plan.num_layers
     else:
         pairs = tuple(max(1, min(n, pairs_in_bytes(4 * b, d, bias, bits, g))) for b in plan.budgets)

@@ -40,6 +40,10 @@ def test_each_baseline_stores_the_budget_of_the_module_it_is_compared_with(tiny_
     if name == "truncate":  # the first ⌊ρ·n⌋ tokens in every layer (the bytes of ρ of the KV)
         p = int(0.2 * layout.n)
         assert fitted.plan.quad_pairs == (p,) * L and params == L * H * 2 * d * p
+    elif name == "attention_matching_kv":  # plain KV: one count in every layer, the plan's total bytes
+        p = fitted.plan.quad_pairs[0]
+        assert fitted.plan.quad_pairs == (p,) * L
+        assert sum(plan.budgets) - L * per_pair < L * p * per_pair <= sum(plan.budgets)
     else:  # per (layer, head): at most the budget, less than one pair under it
         for layer, budget in enumerate(plan.budgets):
             assert budget - per_pair < fitted.plan.quad_pairs[layer] * per_pair <= budget
