@@ -16,6 +16,7 @@ from nectar.modules import plan_module  # noqa: E402
 from nectar.schemas.config import ProbesConfig, ReconConfig, SelectionConfig  # noqa: E402
 from nectar.stages.recon import make_recon  # noqa: E402
 from nectar.modules.stored import stored_nbytes
+from float_tolerance import FORWARD, close_reordered
 
 RECON = ReconConfig(span_words=12, withheld_fraction=0.0)
 PROBES = ProbesConfig(block_units=1)
@@ -60,7 +61,7 @@ def test_scores_are_max_over_queries_of_whole_softmax_probabilities(tiny):
     exact = ExactDocState(kv, backend="torch")
     q = mx.q[:5, 0].transpose(0, 1).unsqueeze(0)  # [1, Hq, 5, d]
     st = exact(0, q, base.scaling)
-    assert torch.allclose(st.lse[0].T, mx.alpha[:5, 0], atol=1e-3)
+    assert close_reordered(st.lse[0].T, mx.alpha[:5, 0], FORWARD)  # captured in a packed forward
 
 
 def test_global_budget_spends_the_plans_bytes_across_heads_unevenly(tiny):
@@ -105,7 +106,7 @@ def test_fitted_state_counts_only_real_pairs_and_masked_slots_change_nothing(tin
             for h, c in enumerate(state.plan.quad_head_pairs[layer]):
                 W = net.W[h, :c]
                 logits = torch.einsum("gmd,pd->gmp", q[0, h * g:(h + 1) * g], W) * base.scaling
-                assert torch.allclose(st.lse[0, h * g:(h + 1) * g], logits.logsumexp(-1), atol=1e-4)
+                assert close_reordered(st.lse[0, h * g:(h + 1) * g], logits.logsumexp(-1))
 
 
 def test_keeping_every_key_with_the_fit_reproduces_the_document_state(tiny):
@@ -118,7 +119,7 @@ def test_keeping_every_key_with_the_fit_reproduces_the_document_state(tiny):
     q = torch.randn(1, base.num_q_heads, 4, base.head_dim) * 3
     for layer in range(base.num_layers):
         got, want = state(layer, q, base.scaling), exact(layer, q, base.scaling)
-        assert torch.allclose(got.lse, want.lse, atol=1e-3) and torch.allclose(got.out, want.out, atol=1e-3)
+        assert close_reordered(got.lse, want.lse) and close_reordered(got.out, want.out)
 
 
 def test_template_tokens_are_the_context_outside_the_document(tiny):
