@@ -13,6 +13,7 @@ import pytest
 
 from nectar.orchestration.executor import RunDir, last_invocation
 from nectar.pipeline import deploy as dep
+from nectar.pipeline import operations
 
 from prefect_procs import running_worker
 
@@ -39,7 +40,7 @@ def test_cancelled_flow_run_stops_releases_the_lock_and_resumes(prefect_server, 
     run_dir = tmp_path / "runs" / "naming"
     dep.deploy(pool=POOL, preset="tiny", working_dir=str(tmp_path))
     with running_worker(prefect_server, POOL, "cancel-worker", tmp_path) as worker:
-        flow_run = dep.trigger(str(doc), preset="tiny", run_dir=str(run_dir))
+        flow_run = operations.trigger(str(doc), preset="tiny", run_dir=str(run_dir))
         marker = run_dir / "verify" / "attempt.json"
         deadline = time.monotonic() + RUN_TIMEOUT_S
         while not marker.exists():
@@ -51,7 +52,7 @@ def test_cancelled_flow_run_stops_releases_the_lock_and_resumes(prefect_server, 
                                 capture_output=True, text=True, env=prefect_server.env(), timeout=120)
         assert cancel.returncode == 0, cancel.stdout + cancel.stderr
         t0 = time.monotonic()
-        done = dep.wait_for_run(flow_run.id, RUN_TIMEOUT_S, poll_s=0.5)
+        done = operations.wait_for_run(flow_run.id, RUN_TIMEOUT_S, poll_s=0.5)
         assert done.state.type.value == "CANCELLED", done.state
         gone, alive = psutil.wait_procs(running, timeout=STOP_BOUND_S)
         assert not alive, [p.pid for p in alive]
@@ -60,8 +61,8 @@ def test_cancelled_flow_run_stops_releases_the_lock_and_resumes(prefect_server, 
         run = RunDir(str(run_dir))
         assert run.read_manifest("verify") is None and run.read_manifest("synthesize") is not None
 
-        again = dep.trigger(str(doc), preset="tiny", run_dir=str(run_dir))
-        finished = dep.wait_for_run(again.id, RUN_TIMEOUT_S, poll_s=1)
+        again = operations.trigger(str(doc), preset="tiny", run_dir=str(run_dir))
+        finished = operations.wait_for_run(again.id, RUN_TIMEOUT_S, poll_s=1)
     assert finished.state.type.value == "COMPLETED", finished.state
     assert [last_invocation(run, s)["status"] for s in ("chunk", "synthesize", "verify")] == \
         ["cached", "cached", "done"]
