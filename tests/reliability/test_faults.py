@@ -16,6 +16,7 @@ from pathlib import Path
 import fsspec
 import numpy as np
 import pytest
+from float_tolerance import close_reordered
 from matrix_helpers import DOCUMENT, cli, outputs, run_pipeline
 
 from nectar.orchestration.executor import RunDir, stage_status
@@ -129,7 +130,6 @@ def test_flipped_byte_in_a_chunk_fails_its_read_and_is_named_before_training(run
 HOLD = """
 import sys, time
 from nectar.orchestration.lock import run_lock
-from float_tolerance import close_reordered
 with run_lock(sys.argv[1]):
     print("held", flush=True)
     time.sleep(60)
