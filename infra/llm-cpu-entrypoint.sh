@@ -5,9 +5,9 @@
 set -euo pipefail
 
 MODEL="${NECTAR_CPU_MODEL:-/cache/nectar/models/smollm2-135m-instruct}"
-EMBEDDED="$(python -c 'from nectar.models import cache_dir; print(cache_dir() / "models" / "smollm2-135m-instruct")')"
+EMBEDDED="$(python -c 'from nectar.base_model import cache_dir; print(cache_dir() / "models" / "smollm2-135m-instruct")')"
 if [ "$MODEL" = "$EMBEDDED" ] && [ ! -f "$MODEL/config.json" ]; then
-  python -c 'from nectar.models import embedded_smollm2_dir; print("converted", embedded_smollm2_dir())'
+  python -c 'from nectar.base_model import embedded_smollm2_dir; print("converted", embedded_smollm2_dir())'
 fi
 
 # The model name clients send must equal the pinned one: the worker uses NECTAR_GEN_MODEL=$MODEL.

@@ -16,8 +16,8 @@ from typing import Any, Iterable
 
 import fsspec
 
-from ..runs import RunDir
-from ..runs import stage_status as runs_stage_status
+from ..orchestration.executor import RunDir
+from ..orchestration.executor import stage_status as runs_stage_status
 from ..schemas.artifacts import RunManifest
 from ..schemas.config import STAGES
 from ..tables import ArtifactError, read_json_artifact
