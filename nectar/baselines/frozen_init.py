@@ -27,6 +27,13 @@ def pairs_per_layer(plan: ModulePlan, bias: bool, bits: int) -> tuple[int, ...]:
     return tuple(max(1, min(n, pairs_in_bytes(4 * b, d, bias, bits, g))) for b in plan.budgets)
 
 
+def same_pairs_in_every_layer(plan: ModulePlan, head_bytes: float, bits: int) -> ModulePlan:
+    """Plain KV (no β) with the same count in every layer: the pairs ``head_bytes`` buy per head."""
+    d, n = plan.head_dim, plan.n_context
+    p = max(1, min(n, pairs_in_bytes(head_bytes, d, False, bits, plan.quant_group)))
+    return quadrature_plan(plan, (p,) * plan.num_layers, False, bits)
+
+
 def quadrature_plan(plan: ModulePlan, pairs: tuple[int, ...], bias: bool, bits: int) -> ModulePlan:
     """``plan`` as a quadrature module of ``pairs`` pairs per layer (with β when ``bias``) at ``bits``."""
     return dataclasses.replace(plan, arch="quadrature", quad_pairs=pairs, mlp_widths=(), quad_bias=bias, bits=bits)
