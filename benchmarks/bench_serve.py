@@ -79,16 +79,17 @@ def make_run(model: str, document: str, root: Path) -> str:
 
 # ----- engine: batch B vs batch 1, in-process -----
 
-def engine_batching(run_dir: str, max_tokens: int, batch: int, rounds: int) -> dict[str, float]:
+def engine_batching(run_dir: str, max_tokens: int, batch: int, rounds: int, module: bool = True) -> dict[str, float]:
     """Tokens/s of the server's engine at batch 1 and at batch ``batch`` (the same prompts, every row
-    decoding its whole budget), interleaved ``rounds`` times; the median of each."""
+    decoding its whole budget), interleaved ``rounds`` times; the median of each. ``module=False``:
+    the base model alone through the same engine (no document state), to split the step's cost."""
     from nectar.attention.engine import DecodeEngine, Request
     from nectar.modules.provider import inference_provider
     from nectar.serving.loader import load_served_module
 
     served = load_served_module(run_dir)
-    engine = DecodeEngine(served.base, inference_provider(served.module, served.base.dtype), served.n_context,
-                          stop_ids=())
+    provider = inference_provider(served.module, served.base.dtype) if module else None
+    engine = DecodeEngine(served.base, provider, served.n_context, stop_ids=())
     prompts = [served.layout.prompt(QUESTIONS[i % len(QUESTIONS)]).ids for i in range(batch)]
     engine.run([Request(p, 4) for p in prompts])  # warm-up at both sizes
     engine.run([Request(prompts[0], 4)])
@@ -313,6 +314,10 @@ def print_engine(args, eng: dict, run: str) -> None:
 def bench_nectar(args, runs: list[str], counts: list[int], logs: Path) -> list[dict]:
     if args.engine_rounds:
         print_engine(args, engine_batching(runs[0], args.max_tokens, args.engine_batch, args.engine_rounds), runs[0])
+        if args.engine_without_module:
+            print("  the base model alone (no document state):", end="")
+            print_engine(args, engine_batching(runs[0], args.max_tokens, args.engine_batch, args.engine_rounds,
+                                               module=False), runs[0])
     import httpx
 
     server = start_nectar(runs, args.threads, args.max_batch, args.max_tokens, logs)
@@ -344,6 +349,8 @@ def main() -> None:
     ap.add_argument("--max-batch", type=int, default=32, help="both servers' running batch")
     ap.add_argument("--engine-batch", type=int, default=8)
     ap.add_argument("--engine-rounds", type=int, default=3, help="0: skip the engine section")
+    ap.add_argument("--engine-without-module", action="store_true",
+                    help="also the base model alone through the engine (splits the step's cost)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--vllm", choices=["auto", "on", "off"], default="auto",
                     help="auto: when the managed venv exists (and --model embedded)")
