@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import types
 import typing
-from typing import Any, Iterable, Literal, TypeVar, get_args, get_origin
+from typing import Any, Iterable, Literal, Sequence, TypeVar, get_args, get_origin
 
 import fsspec
 import pyarrow as pa
@@ -134,3 +134,10 @@ def read_json_artifact(url: str, cls: type[R]) -> R:
 def write_json_artifact(url: str, obj: Artifact) -> None:
     """Atomic JSON write (temp file + rename)."""
     atomic_write(url, obj.model_dump_json(indent=2))
+
+
+def markdown_table(head: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """A markdown table of formatted cells (each written as ``str(cell)``), ending in a newline."""
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(str(c) for c in cells) + " |" for cells in rows]
+    return "\n".join(lines) + "\n"
