@@ -96,8 +96,9 @@ def read_table(url: str, cls: type[R]) -> list[R]:
     if name != cls.__name__:
         raise ArtifactError(f"{url}: holds {name or 'an unknown schema'}, expected {cls.__name__}")
     version = int(meta.get(b"nectar.version", b"0"))
-    if version != cls.SCHEMA_VERSION:
-        raise ArtifactError(f"{url}: schema version {version}, this release reads {cls.SCHEMA_VERSION}")
+    if version not in cls.READS_VERSIONS:
+        raise ArtifactError(f"{url}: schema version {version}, this release reads "
+                            f"{' and '.join(map(str, cls.READS_VERSIONS))}")
     jf = _json_fields(cls)
     out = []
     for i, rec in enumerate(table.to_pylist()):

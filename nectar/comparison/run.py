@@ -416,7 +416,7 @@ def comparison_rows(jobs: list[Job], obtained: dict[str, Obtained], quality) -> 
             rows.append(ComparisonRow(
                 system=job.system.name, kind=job.system.kind, regime=job.system.regime, arch=o.arch, rho=job.rho,
                 state_bytes=o.state_bytes, split=split, train_seconds=o.seconds, state_seconds=o.state_seconds,
-                source=o.source, **{k: v for k, v in cols.items() if k in ComparisonRow.model_fields}))
+                source=o.source, **ComparisonRow.quality(cols)))
     return rows
 
 
