@@ -46,19 +46,17 @@ def fit_kvzip(base: BaseLM, layout: PromptLayout, document: str, doc_kv, targets
 
 
 class KVzip(Baseline):
-    """Its pairs are float32 as selected or fitted (``FitInputs.bits`` is not read)."""
-
     name = "kvzip"
     reads_document = True
 
     def plan(self, plan: ModulePlan, bits: int | None = None) -> ModulePlan:
-        """The budget the selection allocates: the module plan's total bytes (as float32 pairs); how
-        many keys each (layer, head) keeps is the selection's (``selection_plan`` in fit)."""
+        """The budget the selection allocates: the module plan's total bytes, its pairs stored at
+        ``bits``; how many keys each (layer, head) keeps is the selection's (``selection_plan`` in fit)."""
         return plan if bits is None else dataclasses.replace(plan, bits=bits)
 
     def fit(self, plan: ModulePlan, inputs: FitInputs) -> FittedBaseline:
         if inputs.base is None or inputs.layout is None or inputs.document is None or inputs.select is None:
             raise ValueError("kvzip selects keys by reconstructing the document: pass base, layout, document, "
                              "spans and select in FitInputs")
-        return fit_kvzip(inputs.base, inputs.layout, inputs.document, inputs.doc_kv, inputs.targets, plan,
-                         inputs.select, list(inputs.spans), seed=inputs.seed)
+        return fit_kvzip(inputs.base, inputs.layout, inputs.document, inputs.doc_kv, inputs.targets,
+                         self.plan(plan, inputs.bits), inputs.select, list(inputs.spans), seed=inputs.seed)
