@@ -169,16 +169,32 @@ class VLLMServer:
         raise VLLMStartError(f"vLLM not healthy after {timeout_s:.0f} s; see {self.log_path}")
 
     def stop(self, grace_s: float = 30.0) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
+        """SIGTERM to the whole group; return once every process of it is gone (its engine core and
+        workers outlive the API server by a moment), SIGKILL to what is left after ``grace_s``."""
+        deadline = time.monotonic() + grace_s
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            while _group_alive(self.proc.pid) and time.monotonic() < deadline:
+                self.proc.poll()  # reap the leader, or the group stays "alive" as a zombie
+                time.sleep(0.2)
+            if _group_alive(self.proc.pid):
                 os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-            except ProcessLookupError:
-                pass
+                end = time.monotonic() + 10
+                while _group_alive(self.proc.pid) and time.monotonic() < end:
+                    self.proc.poll()
+                    time.sleep(0.1)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
         self._log.close()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
 
 
 def served_documents(states: dict[str, str]) -> list[ServedDocument]:
