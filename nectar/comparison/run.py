@@ -15,6 +15,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -242,7 +243,8 @@ def obtain(job: Job, ctx: RunContext, base, doc_kv, dims: dict[str, Any]) -> Obt
     t0 = time.perf_counter()
     targets_url = ctx.stage_run("targets").url("targets")
     if s.baseline == "kvzip":
-        provider = _fit_kvzip(s, ctx, base, doc_kv, targets_url, baseline_plan(ctx, job.rho, dims))
+        plan = dataclasses.replace(baseline_plan(ctx, job.rho, dims), bits=s.bits)  # the system's precision
+        provider = _fit_kvzip(s, ctx, base, doc_kv, targets_url, plan)
     else:
         provider = fit_baseline(s.baseline, doc_kv, targets_url, baseline_plan(ctx, job.rho, dims),
                                 seed=ctx.config.train.seed, bits=s.bits)

@@ -194,6 +194,12 @@ class SelectionConfig(FrozenConfig):
     fit: bool = True  # closed-form β (NNLS) and values (least squares) on the kept keys
     # queries of the closed-form fit: the reconstruction spans, or those plus the targets' train split
     fit_queries: Literal["recon", "recon+train"] = "recon+train"
+    # queries whose attention ranks the keys: the reconstruction spans alone (KVzip), or also the targets'
+    # train queries — max of the two scores, each divided by its value at the budget's cut (kvzip.py)
+    score_queries: Literal["recon", "recon+train"] = added_setting("recon")
+    # below 32 bits: fit β to the keys as stored and the values to those keys and β as stored (else
+    # fit in float, then round)
+    quant_aware: bool = added_setting(True)
 
 
 class ModuleConfig(FrozenConfig):
