@@ -242,6 +242,9 @@ class TrainConfig(FrozenConfig):
     # SmolLM2, which makes any λKL negligible). See docs/configuration.md.
     regression_scale: Literal["mean", "sum"] = "mean"
     samples: int = 1_000_000  # total sample budget (query tokens for regression, pairs for KL)
+    # False: a closed-form quadrature init (attention_matching, evict, kvzip) IS the state — saved
+    # without gradient steps (a quantized kvzip state keeps its quantization-aware fit)
+    refine: bool = added_setting(True)
     # the targets' splits trained on: "train", or "train+recon" with the reconstruction spans
     # (targets.recon.capture must have captured them)
     splits: Literal["train", "train+recon", "recon"] = added_setting("train")
