@@ -9,11 +9,13 @@ from nectar.tables import ArtifactError, read_table, write_table
 
 def test_registry_holds_the_issue_systems_once_each():
     quantized = [f"{b}@int{bits}" for bits in (8, 4) for b in ("truncate", "evict", "attention_matching", "matching")]
+    kvzip_quantized = [f"{b}@int{bits}" for bits in (8, 4)
+                       for b in ("kvzip_fit", "kvzip_select", "kvzip_fit_qa", "kvzip_fit_float")]
     assert list(SYSTEMS) == ["none", "full", "regression", "mixed", "distill", "cartridges", "matching", "truncate",
                              "evict", "attention_matching", "attention_matching_kv", "kvzip_select", "kvzip_select_layer",
                              "kvzip_select_mean", "kvzip_fit", "kvzip_fit_layer", "kvzip_fit_recon",
-                             "kvzip_fit_nosink", "kvzip_fit_template", "kvzip_train", "kvzip_train_recon", "kvzip_distill",
-                             *quantized]
+                             "kvzip_fit_nosink", "kvzip_fit_template", "kvzip_fit_qa", "kvzip_train", "kvzip_train_recon",
+                             "kvzip_distill", *quantized, *kvzip_quantized]
     assert {s.name for s in SYSTEMS.values() if s.kind == "reference"} == {"none", "full"}
     for s in SYSTEMS.values():
         name, _, precision = s.name.partition("@")
@@ -27,7 +29,8 @@ def test_registry_holds_the_issue_systems_once_each():
     # default: every system this checkout can run, but the ablations and the opt-in quantized trained
     # ones (a training each)
     assert [s.name for s in resolve(None)] == [n for n in SYSTEMS if not n.startswith("matching@") and (
-        n in ("kvzip_select", "kvzip_fit") or not n.startswith("kvzip"))]
+        n in ("kvzip_select", "kvzip_fit", "kvzip_fit@int8", "kvzip_fit@int4", "kvzip_fit_qa@int4")
+        or not n.startswith("kvzip"))]
     assert [s.name for s in resolve(["evict", "none"])] == ["none", "evict"]  # registry order
     with pytest.raises(ConfigError, match="unknown system 'x'"):
         resolve(["x"])
