@@ -77,6 +77,9 @@ for _s in (
            regime="cartridges"),
     System("matching", "trained", "quadrature + log-mass bias initialised by Attention Matching, refined by "
            "regression on the captured targets", regime="matching"),
+    System("kvzip", "trained", "the train stage's kvzip state: kvzip_fit@int4 made by the pipeline (regime kvzip: "
+           "reconstruction-selected keys, quantization-aware fit, int4, no gradient steps)", regime="kvzip",
+           default=False),
     System("truncate", "baseline", "exact KV of a ρ·n-token part of the document", baseline="truncate"),
     System("evict", "baseline", "exact KV of the ρ·n most-attended tokens per KV head", baseline="evict"),
     System("attention_matching", "baseline", "the evicted keys with fitted log-mass biases and "

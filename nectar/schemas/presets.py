@@ -100,17 +100,26 @@ PRESETS: dict[str, dict[str, Any]] = {
 # Loss regimes of the paper's sweep (App. A.4); applied on top of a preset with --regime.
 # Each regime names the module family it trains, so a preset whose default is another family (the
 # cpu preset's default is ``matching``) still gets an MLP under ``--regime mixed``.
-_MLP = {"arch": "mlp", "bias": False, "init": "first"}
+_MLP = {"arch": "mlp", "bias": False, "init": "first", "bits": 32}
+# every regime names its storage precision and whether it trains, so a preset whose default is a
+# quantized closed-form state (``kvzip``) does not hand its int4 / no-training settings to the others
+_TRAINS = {"refine": True}
 REGIMES: dict[str, dict[str, Any]] = {
-    "regression": {"train": {"lambda_alpha": 0.1, "lambda_A": 1.0, "lambda_kl": 0.0, "module": _MLP}},
-    "mixed": {"train": {"lambda_alpha": 0.1, "lambda_A": 1.0, "lambda_kl": 2.0, "module": _MLP}},
-    "distill": {"train": {"lambda_alpha": 0.0, "lambda_A": 0.0, "lambda_kl": 1.0, "module": _MLP}},
-    "cartridges": {"train": {"lambda_alpha": 0.0, "lambda_A": 0.0, "lambda_kl": 1.0,
-                             "module": {"arch": "quadrature", "bias": False, "init": "first"}}},
+    "regression": {"train": {**_TRAINS, "lambda_alpha": 0.1, "lambda_A": 1.0, "lambda_kl": 0.0, "module": _MLP}},
+    "mixed": {"train": {**_TRAINS, "lambda_alpha": 0.1, "lambda_A": 1.0, "lambda_kl": 2.0, "module": _MLP}},
+    "distill": {"train": {**_TRAINS, "lambda_alpha": 0.0, "lambda_A": 0.0, "lambda_kl": 1.0, "module": _MLP}},
+    "cartridges": {"train": {**_TRAINS, "lambda_alpha": 0.0, "lambda_A": 0.0, "lambda_kl": 1.0,
+                             "module": {"arch": "quadrature", "bias": False, "init": "first", "bits": 32}}},
     # Attention Matching's closed form (nectar.baselines) as the start, refined by the regression
     # loss on the captured targets; a small learning rate keeps the fit it starts from.
-    "matching": {"train": {"lambda_alpha": 0.1, "lambda_A": 1.0, "lambda_kl": 0.0, "peak_lr": 1e-3,
-                           "module": {"arch": "quadrature", "bias": True, "init": "attention_matching"}}},
+    "matching": {"train": {**_TRAINS, "lambda_alpha": 0.1, "lambda_A": 1.0, "lambda_kl": 0.0, "peak_lr": 1e-3,
+                           "module": {"arch": "quadrature", "bias": True, "init": "attention_matching",
+                                      "bits": 32}}},
+    # KVzip-style selection (reconstruction spans, one budget across layers and KV heads, sinks), the
+    # closed-form β and values fitted to the keys as stored, kept keys and values at int4 (β bf16):
+    # ~7x the pairs of float32 in the same bytes; no gradient steps (nectar/baselines/kvzip.py)
+    "kvzip": {"train": {"refine": False,
+                        "module": {"arch": "quadrature", "bias": True, "init": "kvzip", "bits": 4}}},
 }
 
 
