@@ -24,10 +24,12 @@ from typing import Any, Callable
 
 from ..attention.doc_kv import prefill_document
 from ..attention.exact import ExactDocState
+from ..baselines import FitInputs, get_baseline
 from ..evaluation.scoring import score_providers
 from ..evaluation.selection import evaluated_splits, select_pairs, with_subset
 from ..evaluation.teacher import EvalPair
 from ..kvpress import BridgeResult, KvpressEnvError, KvpressError, PressJob, score_presses
+from ..layout import build_layout
 from ..modules.budget import BudgetError
 from ..modules.builder import ModulePlan, plan_from_config
 from ..orchestration.context import (SHARED_DATA_STAGES, RunContext, StageInputError, load_base, load_run_doc_kv,
@@ -37,6 +39,7 @@ from ..orchestration.runners import run_targets, run_train
 from ..schemas.artifacts import ComparisonRow, RunManifest, TargetsPairRow
 from ..schemas.config import PipelineConfig
 from ..schemas.presets import ConfigError
+from ..stages.recon import make_recon
 from ..storage import atomic_write
 from ..tables import ArtifactError, read_json_artifact, read_table, write_table
 from ..targets.store import open_targets, targets_zarr_url
@@ -238,31 +241,24 @@ def obtain(job: Job, ctx: RunContext, base, doc_kv, dims: dict[str, Any]) -> Obt
             raise CompareInputError(f"{job.key}: its train stage in {job.ctx.run.root} has not completed")
         module, spec = load_module(job.ctx.run.url("train"), base, ctx.info.sha256, device=base.device)
         return Obtained(ModuleDocState(module), spec.module_bytes, manifest.duration_s, spec.arch, job.ctx.run.root)
-    from ..baselines import fit_baseline
-
+    baseline = get_baseline(s.baseline)
     t0 = time.perf_counter()
-    targets_url = ctx.stage_run("targets").url("targets")
-    if s.baseline == "kvzip":
-        plan = dataclasses.replace(baseline_plan(ctx, job.rho, dims), bits=s.bits)  # the system's precision
-        provider = _fit_kvzip(s, ctx, base, doc_kv, targets_url, plan)
-    else:
-        provider = fit_baseline(s.baseline, doc_kv, targets_url, baseline_plan(ctx, job.rho, dims),
-                                seed=ctx.config.train.seed, bits=s.bits)
+    inputs = FitInputs(doc_kv, ctx.stage_run("targets").url("targets"), seed=ctx.config.train.seed, bits=s.bits)
+    if baseline.reads_document:
+        inputs = _with_document(inputs, s, ctx, base)
+    provider = baseline.fit(baseline_plan(ctx, job.rho, dims), inputs)
     seconds = time.perf_counter() - t0
     return Obtained(provider, int(provider.nbytes), seconds, s.baseline, f"fit_baseline({s.baseline!r})")
 
 
-def _fit_kvzip(s: System, ctx: RunContext, base, doc_kv, targets_url: str, plan: ModulePlan):
-    """A kvzip system: the run's selection settings with the system's switches (SelectionConfig)."""
-    from ..baselines import fit_kvzip
-    from ..layout import build_layout
-    from ..stages.recon import make_recon
-
+def _with_document(inputs: FitInputs, s: System, ctx: RunContext, base) -> FitInputs:
+    """A baseline that reads the document (kvzip): the model, the layout, the reconstruction spans and
+    the run's selection settings with the system's switches (SelectionConfig)."""
     select = ctx.config.train.module.select.model_copy(update=s.options)
     tcfg = ctx.config.targets
-    spans = [(r.instruction, r.response) for r in make_recon(ctx.text, tcfg.recon, tcfg.probes)]
-    return fit_kvzip(base, build_layout(base.tokenizer, ctx.text), ctx.text, doc_kv, targets_url, plan, select,
-                     spans, seed=ctx.config.train.seed)
+    spans = tuple((r.instruction, r.response) for r in make_recon(ctx.text, tcfg.recon, tcfg.probes))
+    return dataclasses.replace(inputs, base=base, layout=build_layout(base.tokenizer, ctx.text), document=ctx.text,
+                               spans=spans, select=select)
 
 
 def withheld_probe_ids(ctx: RunContext, targets_url: str) -> set[str]:
@@ -353,8 +349,6 @@ def score_kvpress(ctx: RunContext, base, context_ids, doc_kv, pairs: list[EvalPa
 def score_and_write(ctx: RunContext, jobs: list[Job], progress: ProgressFactory | None = None,
                     timings: dict[str, float] | None = None) -> CompareResult:
     """Steps 3–5: fit the baselines, score every job's provider on the held-out pairs, write the outputs."""
-    from ..layout import build_layout
-
     bar = progress or (lambda name: (lambda d, t: None))
     timings = dict(timings or {})
     cfg = ctx.config.evaluate
