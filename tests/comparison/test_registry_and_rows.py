@@ -48,8 +48,8 @@ def test_a_trained_system_is_the_preset_regime_whatever_the_run_used():
     mixed_run = load_config("cpu", regime="mixed")
     reg = trained_config(mixed_run, SYSTEMS["regression"], 0.05)
     assert reg.train == load_config("cpu", regime="regression").train  # not the mixed run's 240-pair budget and lr
-    default = load_config("cpu")  # the cpu preset's default: matching
-    assert trained_config(mixed_run, SYSTEMS["matching"], 0.05).train == default.train
+    default = load_config("cpu")  # the cpu preset's default: the kvzip regime (int4, no gradient steps)
+    assert trained_config(mixed_run, SYSTEMS["kvzip"], 0.05).train == default.train
     assert trained_config(mixed_run, SYSTEMS["mixed"], 0.05).train == mixed_run.train
     cart = trained_config(default, SYSTEMS["cartridges"], 0.02)
     assert cart.train.module.arch == "quadrature" and cart.train.module.rho == 0.02
