@@ -67,8 +67,8 @@ def throughput(backend_name: str, levels: list[int], new_tokens: int, log_dir: s
     return rows
 
 
-def stages(backend_name: str, run_root: str) -> dict:
-    """chunk → synthesize → verify on pydoc:naming with the cpu preset and this backend."""
+def stages(backend_name: str, run_root: str, config_file: str | None, extra: list[str], tag: str) -> dict:
+    """chunk → synthesize → verify on pydoc:naming with the cpu preset (+ config_file) and this backend."""
     from nectar import orchestration
     from nectar.schemas import load_config
     from nectar.schemas.artifacts import DatasetRow
@@ -77,11 +77,13 @@ def stages(backend_name: str, run_root: str) -> dict:
     keys = ("synthesize.llm", "verify.answer_llm", "verify.judge")
     overrides = [f"{k}.backend={backend_name}" for k in keys]
     if backend_name == "local":
-        # the local loop's scale before vLLM: one sample per prompt, a floor of 24 kept pairs
+        # the local loop's scale: one sample per prompt, a floor of 24 kept pairs
         overrides += ["synthesize.samples_per_chunk=1", "verify.min_kept=24"]
-    cfg = load_config("cpu", overrides=overrides)
-    ctx = orchestration.prepare_run("pydoc:naming", cfg, run_dir=f"{run_root}/{backend_name}")
-    out = {"backend": backend_name}
+    cfg = load_config("cpu", config_file=config_file if backend_name != "local" else None,
+                      overrides=overrides + list(extra))
+    ctx = orchestration.prepare_run("pydoc:naming", cfg, run_dir=f"{run_root}/{tag or backend_name}")
+    out = {"backend": backend_name, "config": config_file if backend_name != "local" else None,
+           "overrides": list(extra), "load_before": os.getloadavg()}
     with orchestration.llm_scope(ctx):
         orchestration.run_chunk(ctx)
         for stage, runner in (("synthesize", orchestration.run_synthesize), ("verify", orchestration.run_verify)):
@@ -89,7 +91,9 @@ def stages(backend_name: str, run_root: str) -> dict:
             outcome = runner(ctx, True)
             out[f"{stage}_s"] = round(time.perf_counter() - t0, 1)
             out[f"{stage}_counts"] = {k: v for k, v in outcome.manifest.counts.items() if k != "llm"}
-            print(json.dumps({stage: out[f"{stage}_s"], "backend": backend_name}), flush=True)
+            out[f"load_after_{stage}"] = os.getloadavg()
+            print(json.dumps({stage: out[f"{stage}_s"], "backend": backend_name,
+                              "load": os.getloadavg()}), flush=True)
     rows = read_table(ctx.run.url("verify", "dataset.parquet"), DatasetRow)
     judged = [r for r in rows if r.verdict not in ("synthesis_parse_error",)]
     verified = [r for r in rows if r.kept and not r.kept_by_floor]
@@ -108,6 +112,10 @@ def main() -> None:
     ap.add_argument("--backends", default="local,vllm")
     ap.add_argument("--stages", action="store_true", help="also time synthesize + verify on pydoc:naming")
     ap.add_argument("--no-throughput", action="store_true")
+    ap.add_argument("--vllm-config", default=str(Path(__file__).resolve().parents[1] / "infra" / "cpu-vllm.yaml"),
+                    help="the config file the vLLM stage run adds to the cpu preset")
+    ap.add_argument("--set", action="append", default=[], help="extra key=value for the vLLM stage run")
+    ap.add_argument("--tag", default="", help="the stage run's directory name under --run-root")
     ap.add_argument("--run-root", default=None, help="where the stage runs go (default: a temp dir)")
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
     args = ap.parse_args()
@@ -120,7 +128,7 @@ def main() -> None:
             result["throughput"] += throughput(b, levels, args.new_tokens, f"{root}/logs")
     if args.stages:
         for b in backends:
-            result["stages"].append(stages(b, root))
+            result["stages"].append(stages(b, root, args.vllm_config, args.set if b != "local" else [], args.tag))
     print("\nbackend  concurrency  tokens  seconds  tokens/s")
     for r in result["throughput"]:
         print(f"{r['backend']:<8} {r['concurrency']:>11}  {r['tokens']:>6}  {r['seconds']:>7}  {r['tokens_per_s']:>8}")
