@@ -14,7 +14,7 @@ from ..modules.provider import group_queries
 from ..quantization import fake_quantize
 from ..targets.reader import TargetsData
 from ..targets.store import targets_zarr_url
-from .attention_matching import fit_log_mass, fit_values
+from .matching_fit import fit_log_mass, fit_values
 from .selection import KeyScore, attention_probs, key_scores, top_keys
 
 MAX_FIT_TOKENS = 2048  # training query tokens for selection and fitting (seeded sample above; 1k-4k: same fit)

@@ -15,6 +15,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -23,19 +24,22 @@ from typing import Any, Callable
 
 from ..attention.doc_kv import prefill_document
 from ..attention.exact import ExactDocState
+from ..baselines import FitInputs, get_baseline
 from ..evaluation.scoring import score_providers
 from ..evaluation.selection import evaluated_splits, select_pairs, with_subset
 from ..evaluation.teacher import EvalPair
 from ..kvpress import BridgeResult, KvpressEnvError, KvpressError, PressJob, score_presses
+from ..layout import build_layout
 from ..modules.budget import BudgetError
 from ..modules.builder import ModulePlan, plan_from_config
 from ..orchestration.context import (SHARED_DATA_STAGES, RunContext, StageInputError, load_base, load_run_doc_kv,
                                      open_run)
 from ..orchestration.executor import RunDir, now
-from ..orchestration.runners import run_targets, run_train
+from ..orchestration.document_run import RunOne, run_here
 from ..schemas.artifacts import ComparisonRow, RunManifest, TargetsPairRow
 from ..schemas.config import PipelineConfig
 from ..schemas.presets import ConfigError
+from ..stages.recon import make_recon
 from ..storage import atomic_write
 from ..tables import ArtifactError, read_json_artifact, read_table, write_table
 from ..targets.store import open_targets, targets_zarr_url
@@ -43,7 +47,6 @@ from .sweep import Variant, prepare_variant
 from .systems import System, resolve, trained_config
 
 ProgressFactory = Callable[[str], Callable[[int, int], None]]
-TrainStage = Callable[[RunContext], Any]  # runs (or finds cached) the train stage of a run context
 
 
 # Pairs per teacher-forced forward and prompts per greedy batch: a decode step on CPU reads every weight
@@ -107,16 +110,13 @@ def check_ready(ctx: RunContext) -> None:
             f"run `nectar run {ctx.info.source_uri} --run-dir {ctx.run.root}` first")
 
 
-def refresh_targets(ctx: RunContext, stage_runner: Callable[[RunContext, str], Any] | None = None) -> None:
+def refresh_targets(ctx: RunContext, run_one: RunOne = run_here) -> None:
     """Pass the targets stage (what compare reads) through the stage cache: a hit when it is current
     with the run's configuration and the code, redone when they changed since (e.g. probe settings),
     so nothing is trained or scored on stale targets. Stages before it are the run's business."""
     if ctx.parent is not None:
         return  # a variant's data stages are its parent's
-    if stage_runner is not None:
-        stage_runner(ctx, "targets")
-    else:
-        run_targets(ctx, False)
+    run_one(ctx, "targets", False)
 
 
 def open_for_compare(run_dir: str, progress: ProgressFactory | None = None) -> RunContext:
@@ -200,11 +200,12 @@ def variant_for(parent: RunContext, name: str, config: PipelineConfig) -> RunCon
     return prepare_variant(parent, Variant(name, {}, config))
 
 
-def train_missing(jobs: list[Job], train_stage: TrainStage, progress: Callable[[int, int], None] | None = None) -> None:
-    """Run the train stage of every trained job: cached ones return at once."""
+def train_missing(jobs: list[Job], run_one: RunOne = run_here,
+                  progress: Callable[[int, int], None] | None = None) -> None:
+    """Run the train stage of every trained job (its run directory's): cached ones return at once."""
     trained = [j for j in jobs if j.system.kind == "trained"]
     for i, job in enumerate(trained):
-        train_stage(job.ctx)
+        run_one(job.ctx, "train", False)
         if progress:
             progress(i + 1, len(trained))
 
@@ -237,30 +238,24 @@ def obtain(job: Job, ctx: RunContext, base, doc_kv, dims: dict[str, Any]) -> Obt
             raise CompareInputError(f"{job.key}: its train stage in {job.ctx.run.root} has not completed")
         module, spec = load_module(job.ctx.run.url("train"), base, ctx.info.sha256, device=base.device)
         return Obtained(ModuleDocState(module), spec.module_bytes, manifest.duration_s, spec.arch, job.ctx.run.root)
-    from ..baselines import fit_baseline
-
+    baseline = get_baseline(s.baseline)
     t0 = time.perf_counter()
-    targets_url = ctx.stage_run("targets").url("targets")
-    if s.baseline == "kvzip":
-        provider = _fit_kvzip(s, ctx, base, doc_kv, targets_url, baseline_plan(ctx, job.rho, dims))
-    else:
-        provider = fit_baseline(s.baseline, doc_kv, targets_url, baseline_plan(ctx, job.rho, dims),
-                                seed=ctx.config.train.seed, bits=s.bits)
+    inputs = FitInputs(doc_kv, ctx.stage_run("targets").url("targets"), seed=ctx.config.train.seed, bits=s.bits)
+    if baseline.reads_document:
+        inputs = _with_document(inputs, s, ctx, base)
+    provider = baseline.fit(baseline_plan(ctx, job.rho, dims), inputs)
     seconds = time.perf_counter() - t0
     return Obtained(provider, int(provider.nbytes), seconds, s.baseline, f"fit_baseline({s.baseline!r})")
 
 
-def _fit_kvzip(s: System, ctx: RunContext, base, doc_kv, targets_url: str, plan: ModulePlan):
-    """A kvzip system: the run's selection settings with the system's switches (SelectionConfig)."""
-    from ..baselines import fit_kvzip
-    from ..layout import build_layout
-    from ..stages.recon import make_recon
-
+def _with_document(inputs: FitInputs, s: System, ctx: RunContext, base) -> FitInputs:
+    """A baseline that reads the document (kvzip): the model, the layout, the reconstruction spans and
+    the run's selection settings with the system's switches (SelectionConfig)."""
     select = ctx.config.train.module.select.model_copy(update=s.options)
     tcfg = ctx.config.targets
-    spans = [(r.instruction, r.response) for r in make_recon(ctx.text, tcfg.recon, tcfg.probes)]
-    return fit_kvzip(base, build_layout(base.tokenizer, ctx.text), ctx.text, doc_kv, targets_url, plan, select,
-                     spans, seed=ctx.config.train.seed)
+    spans = tuple((r.instruction, r.response) for r in make_recon(ctx.text, tcfg.recon, tcfg.probes))
+    return dataclasses.replace(inputs, base=base, layout=build_layout(base.tokenizer, ctx.text), document=ctx.text,
+                               spans=spans, select=select)
 
 
 def withheld_probe_ids(ctx: RunContext, targets_url: str) -> set[str]:
@@ -351,8 +346,6 @@ def score_kvpress(ctx: RunContext, base, context_ids, doc_kv, pairs: list[EvalPa
 def score_and_write(ctx: RunContext, jobs: list[Job], progress: ProgressFactory | None = None,
                     timings: dict[str, float] | None = None) -> CompareResult:
     """Steps 3–5: fit the baselines, score every job's provider on the held-out pairs, write the outputs."""
-    from ..layout import build_layout
-
     bar = progress or (lambda name: (lambda d, t: None))
     timings = dict(timings or {})
     cfg = ctx.config.evaluate
@@ -423,7 +416,7 @@ def comparison_rows(jobs: list[Job], obtained: dict[str, Obtained], quality) -> 
             rows.append(ComparisonRow(
                 system=job.system.name, kind=job.system.kind, regime=job.system.regime, arch=o.arch, rho=job.rho,
                 state_bytes=o.state_bytes, split=split, train_seconds=o.seconds, state_seconds=o.state_seconds,
-                source=o.source, **{k: v for k, v in cols.items() if k in ComparisonRow.model_fields}))
+                source=o.source, **ComparisonRow.quality(cols)))
     return rows
 
 
@@ -460,12 +453,12 @@ def write_outputs(run: RunDir, rows: list[ComparisonRow], facts: dict[str, Any],
 
 
 def compare(ctx: RunContext, systems: list[str] | None = None, rhos: list[float] | None = None,
-            train_stage: TrainStage | None = None, progress: ProgressFactory | None = None) -> CompareResult:
-    """Plan, train what is missing, score and write (the Prefect flow runs the same steps with the
-    train stage as a subflow)."""
+            run_one: RunOne = run_here, progress: ProgressFactory | None = None) -> CompareResult:
+    """Plan, train what is missing, score and write; ``run_one`` runs a stage (the Prefect flow's
+    runs it as a subflow)."""
     check_ready(ctx)
-    refresh_targets(ctx)
+    refresh_targets(ctx, run_one)
     jobs = plan_jobs(ctx, systems, rhos)
     t0 = time.perf_counter()
-    train_missing(jobs, train_stage or run_train, progress("compare:train") if progress else None)
+    train_missing(jobs, run_one, progress("compare:train") if progress else None)
     return score_and_write(ctx, jobs, progress, {"train_s": time.perf_counter() - t0})

@@ -75,26 +75,23 @@ def run(
     """Run the pipeline for one document."""
     _quiet_prefect(debug)
     with _stoppable(debug) as resume:
-        # Everything a user can get wrong is checked here, before Prefect starts.
-        from ..orchestration import check_inputs_done, check_request, plan_stages, run_lock
+        # Everything a user can get wrong is checked here, before Prefect starts (the core's first step).
+        from ..orchestration import plan_document, run_lock
         from ..schemas.presets import load_config
 
         cfg = load_config(preset, config, regime, set_)
-        plan_stages(from_stage, only_stage, force)
-        checked = check_request(document, cfg, run_dir, only_stage)
-        if only_stage:
-            check_inputs_done(checked.run, only_stage, checked.info.source_uri)
-        resume.root = checked.run.root
+        request = plan_document(document, cfg, run_dir, from_stage, only_stage, force)
+        resume.root = request.run.root
         from .prefect_api import prefect_api  # after _quiet_prefect: Prefect reads its settings on import
 
-        with prefect_api(), run_lock(checked.run.root, wait=not no_wait, notify=_notice):
+        # The lock before the flow: --no-wait exits at once, before a flow run is made.
+        with prefect_api(), run_lock(request.run.root, wait=not no_wait, notify=_notice):
             from . import flows
 
             flows.CONSOLE_PROGRESS, flows.CONSOLE_NOTICE = _tqdm_progress, _notice
             result = flows.nectar_pipeline(
-                document=document or checked.info.source_uri, preset=preset, config_file=config,
-                overrides=list(set_), run_dir=checked.run.root, from_stage=from_stage, only_stage=only_stage,
-                force=force, regime=regime)
+                document=request.document, preset=preset, config_file=config, overrides=list(set_),
+                run_dir=request.run.root, from_stage=from_stage, only_stage=only_stage, force=force, regime=regime)
         _print_status(result["run_dir"])  # reads every output byte: Ctrl-C stops it too
         typer.echo(result["run_dir"])
 
@@ -155,13 +152,13 @@ def sweep(
     """Train and evaluate every combination of a grid on one document; print one comparison table."""
     _quiet_prefect(debug)
     with _stoppable(debug) as resume:
-        from ..orchestration import check_run, run_lock
+        from ..orchestration import plan_document, run_lock
         from ..schemas.presets import load_config
         from ..comparison.sweep import expand_variants, parse_grid
 
         cfg = load_config(preset, config, None, set_)
         expand_variants(cfg, parse_grid(grid))
-        checked = check_run(document, cfg, run_dir)  # the document and the run directory, before Prefect
+        checked = plan_document(document, cfg, run_dir, force=force)  # the document and the run directory
         resume.root = checked.run.root
         from .prefect_api import prefect_api  # after _quiet_prefect: Prefect reads its settings on import
 

@@ -11,7 +11,7 @@ from targets_fixture import DOC, make_targets  # noqa: E402
 
 from nectar.attention.exact import ExactDocState  # noqa: E402
 from nectar.baselines import BASELINES, baseline_plan, fit_baseline, training_queries  # noqa: E402
-from nectar.baselines.attention_matching import fit_log_mass  # noqa: E402
+from nectar.baselines.matching_fit import fit_log_mass  # noqa: E402
 from nectar.baselines.selection import attention_probs  # noqa: E402
 from nectar.modules import build_module, plan_module  # noqa: E402
 from nectar.modules.stored import stored_nbytes, stored_tensors  # noqa: E402

@@ -1,0 +1,72 @@
+"""The baselines' interface: one file per method, listed by the registry; a new method written
+against the interface alone plans, fits and sizes like the registered ones."""
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "training"))
+from targets_fixture import DOC, make_targets  # noqa: E402
+
+from nectar.baselines import BASELINES, REGISTRY, Baseline, FitInputs, fit_baseline, get_baseline  # noqa: E402
+from nectar.baselines.evict import Evict  # noqa: E402
+from nectar.modules import plan_module  # noqa: E402
+from nectar.modules.stored import stored_nbytes  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_targets(tiny_llama, tmp_path_factory):
+    out = tmp_path_factory.mktemp("targets")
+    layout, kv, _ = make_targets(tiny_llama, DOC, out)
+    return tiny_llama, layout, kv, str(out)
+
+
+def _plan(base, n, rho):
+    return plan_module("mlp", base.num_layers, base.num_kv_heads, base.head_dim, n, base.scaling, rho,
+                       depths=(0, 2, 2))
+
+
+def test_each_method_is_a_baseline_in_a_file_of_its_own():
+    modules = [type(b).__module__ for b in REGISTRY.values()]
+    assert len(set(modules)) == len(modules), modules
+    for name, b in REGISTRY.items():
+        assert isinstance(b, Baseline) and b.name == name
+        assert type(b).__module__.startswith("nectar.baselines.")
+    assert set(BASELINES) == {"truncate", "evict", "attention_matching", "attention_matching_kv"}
+    assert REGISTRY["kvzip"].reads_document
+
+
+def test_unknown_and_document_reading_names_are_refused_in_one_line(tiny_targets):
+    base, layout, kv, url = tiny_targets
+    plan = _plan(base, layout.n, 0.2)
+    with pytest.raises(ValueError, match="unknown baseline 'lru'; choose one of truncate, evict"):
+        get_baseline("lru")
+    with pytest.raises(ValueError, match="reads the document with the model"):
+        fit_baseline("kvzip", kv, url, plan)
+    with pytest.raises(ValueError, match="pass base, layout, document"):
+        REGISTRY["kvzip"].fit(plan, FitInputs(kv, url))
+
+
+class _HalfEvict(Evict):
+    """A method written against the interface only: evict with half the pairs in every layer."""
+
+    name = "half_evict"
+
+    def plan(self, plan, bits=None):
+        full = super().plan(plan, bits)
+        return dataclasses.replace(full, quad_pairs=tuple(max(1, p // 2) for p in full.quad_pairs))
+
+
+def test_a_new_method_plans_fits_and_sizes_through_the_interface(tiny_targets):
+    base, layout, kv, url = tiny_targets
+    plan = _plan(base, layout.n, 0.3)
+    half = _HalfEvict().fit(plan, FitInputs(kv, url))
+    full = fit_baseline("evict", kv, url, plan)
+    assert half.plan.quad_pairs == tuple(max(1, p // 2) for p in full.plan.quad_pairs)
+    assert half.nbytes == stored_nbytes(half.module, half.plan) < full.nbytes
+    # the kept keys are the top half of the same ranking: each head's keys are a subset of evict's
+    for layer in range(base.num_layers):
+        small, large = half.module.layers[layer], full.module.layers[layer]
+        for h in range(base.num_kv_heads):
+            assert {tuple(k.tolist()) for k in small.W[h]} <= {tuple(k.tolist()) for k in large.W[h]}
