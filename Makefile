@@ -30,7 +30,8 @@ run: setup
 	$(BIN)/nectar run pydoc:naming --preset cpu
 
 # The same document with self-study through a managed vLLM server and six samples per prompt
-# (infra/cpu-vllm.yaml); not the default until it is measured faster than the local loop here.
+# (infra/cpu-vllm.yaml): 96 train pairs instead of 19; not the default because at equal load on the
+# shared 2-core machine it took 18 % longer than the local loop (docs/benchmarks.md).
 run-vllm: vllm
 	$(BIN)/nectar run pydoc:naming --preset cpu --config infra/cpu-vllm.yaml
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import types
 import typing
-from typing import Any, Iterable, Literal, TypeVar, get_args, get_origin
+from typing import Any, Iterable, Literal, Sequence, TypeVar, get_args, get_origin
 
 import fsspec
 import pyarrow as pa
@@ -96,8 +96,9 @@ def read_table(url: str, cls: type[R]) -> list[R]:
     if name != cls.__name__:
         raise ArtifactError(f"{url}: holds {name or 'an unknown schema'}, expected {cls.__name__}")
     version = int(meta.get(b"nectar.version", b"0"))
-    if version != cls.SCHEMA_VERSION:
-        raise ArtifactError(f"{url}: schema version {version}, this release reads {cls.SCHEMA_VERSION}")
+    if version not in cls.READS_VERSIONS:
+        raise ArtifactError(f"{url}: schema version {version}, this release reads "
+                            f"{' and '.join(map(str, cls.READS_VERSIONS))}")
     jf = _json_fields(cls)
     out = []
     for i, rec in enumerate(table.to_pylist()):
@@ -134,3 +135,10 @@ def read_json_artifact(url: str, cls: type[R]) -> R:
 def write_json_artifact(url: str, obj: Artifact) -> None:
     """Atomic JSON write (temp file + rename)."""
     atomic_write(url, obj.model_dump_json(indent=2))
+
+
+def markdown_table(head: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """A markdown table of formatted cells (each written as ``str(cell)``), ending in a newline."""
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(str(c) for c in cells) + " |" for cells in rows]
+    return "\n".join(lines) + "\n"

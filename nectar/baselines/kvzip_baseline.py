@@ -63,8 +63,8 @@ class KVzip(Baseline):
     reads_document = True
 
     def plan(self, plan: ModulePlan, bits: int | None = None) -> ModulePlan:
-        """The budget the selection allocates: the module plan's total bytes, its pairs at ``bits``; how
-        many keys each (layer, head) keeps is the selection's (``selection_plan`` in fit)."""
+        """The budget the selection allocates: the module plan's total bytes, its pairs stored at
+        ``bits``; how many keys each (layer, head) keeps is the selection's (``selection_plan`` in fit)."""
         return plan if bits is None else dataclasses.replace(plan, bits=bits)
 
     def fit(self, plan: ModulePlan, inputs: FitInputs) -> FittedBaseline:

@@ -35,7 +35,7 @@ from ..modules.builder import ModulePlan, plan_from_config
 from ..orchestration.context import (SHARED_DATA_STAGES, RunContext, StageInputError, load_base, load_run_doc_kv,
                                      open_run)
 from ..orchestration.executor import RunDir, now
-from ..orchestration.runners import run_targets, run_train
+from ..orchestration.document_run import RunOne, run_here
 from ..schemas.artifacts import ComparisonRow, RunManifest, TargetsPairRow
 from ..schemas.config import PipelineConfig
 from ..schemas.presets import ConfigError
@@ -47,7 +47,6 @@ from .sweep import Variant, prepare_variant
 from .systems import System, resolve, trained_config
 
 ProgressFactory = Callable[[str], Callable[[int, int], None]]
-TrainStage = Callable[[RunContext], Any]  # runs (or finds cached) the train stage of a run context
 
 
 # Pairs per teacher-forced forward and prompts per greedy batch: a decode step on CPU reads every weight
@@ -111,16 +110,13 @@ def check_ready(ctx: RunContext) -> None:
             f"run `nectar run {ctx.info.source_uri} --run-dir {ctx.run.root}` first")
 
 
-def refresh_targets(ctx: RunContext, stage_runner: Callable[[RunContext, str], Any] | None = None) -> None:
+def refresh_targets(ctx: RunContext, run_one: RunOne = run_here) -> None:
     """Pass the targets stage (what compare reads) through the stage cache: a hit when it is current
     with the run's configuration and the code, redone when they changed since (e.g. probe settings),
     so nothing is trained or scored on stale targets. Stages before it are the run's business."""
     if ctx.parent is not None:
         return  # a variant's data stages are its parent's
-    if stage_runner is not None:
-        stage_runner(ctx, "targets")
-    else:
-        run_targets(ctx, False)
+    run_one(ctx, "targets", False)
 
 
 def open_for_compare(run_dir: str, progress: ProgressFactory | None = None) -> RunContext:
@@ -204,11 +200,12 @@ def variant_for(parent: RunContext, name: str, config: PipelineConfig) -> RunCon
     return prepare_variant(parent, Variant(name, {}, config))
 
 
-def train_missing(jobs: list[Job], train_stage: TrainStage, progress: Callable[[int, int], None] | None = None) -> None:
-    """Run the train stage of every trained job: cached ones return at once."""
+def train_missing(jobs: list[Job], run_one: RunOne = run_here,
+                  progress: Callable[[int, int], None] | None = None) -> None:
+    """Run the train stage of every trained job (its run directory's): cached ones return at once."""
     trained = [j for j in jobs if j.system.kind == "trained"]
     for i, job in enumerate(trained):
-        train_stage(job.ctx)
+        run_one(job.ctx, "train", False)
         if progress:
             progress(i + 1, len(trained))
 
@@ -419,7 +416,7 @@ def comparison_rows(jobs: list[Job], obtained: dict[str, Obtained], quality) -> 
             rows.append(ComparisonRow(
                 system=job.system.name, kind=job.system.kind, regime=job.system.regime, arch=o.arch, rho=job.rho,
                 state_bytes=o.state_bytes, split=split, train_seconds=o.seconds, state_seconds=o.state_seconds,
-                source=o.source, **{k: v for k, v in cols.items() if k in ComparisonRow.model_fields}))
+                source=o.source, **ComparisonRow.quality(cols)))
     return rows
 
 
@@ -456,12 +453,12 @@ def write_outputs(run: RunDir, rows: list[ComparisonRow], facts: dict[str, Any],
 
 
 def compare(ctx: RunContext, systems: list[str] | None = None, rhos: list[float] | None = None,
-            train_stage: TrainStage | None = None, progress: ProgressFactory | None = None) -> CompareResult:
-    """Plan, train what is missing, score and write (the Prefect flow runs the same steps with the
-    train stage as a subflow)."""
+            run_one: RunOne = run_here, progress: ProgressFactory | None = None) -> CompareResult:
+    """Plan, train what is missing, score and write; ``run_one`` runs a stage (the Prefect flow's
+    runs it as a subflow)."""
     check_ready(ctx)
-    refresh_targets(ctx)
+    refresh_targets(ctx, run_one)
     jobs = plan_jobs(ctx, systems, rhos)
     t0 = time.perf_counter()
-    train_missing(jobs, train_stage or run_train, progress("compare:train") if progress else None)
+    train_missing(jobs, run_one, progress("compare:train") if progress else None)
     return score_and_write(ctx, jobs, progress, {"train_s": time.perf_counter() - t0})

@@ -17,7 +17,7 @@ from ..schemas.base import stable_hash
 from ..schemas.config import PipelineConfig
 from ..schemas.presets import ConfigError, deep_merge, parse_override, regime_overlay
 from ..storage import atomic_write
-from ..tables import write_json_artifact
+from ..tables import markdown_table, write_json_artifact
 
 # Short grid names for the paper's axes; any dotted config key works too.
 ALIASES = {"arch": "train.module.arch", "rho": "train.module.rho", "lambda_kl": "train.lambda_kl",
@@ -130,10 +130,7 @@ def comparison_markdown(rows: list[dict[str, Any]]) -> str:
     if not rows:
         return "(no variants)\n"
     cols = list(dict.fromkeys(k for r in rows for k in r))
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for r in rows:
-        lines.append("| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |")
-    return "\n".join(lines) + "\n"
+    return markdown_table(cols, ([_fmt(r.get(c)) for c in cols] for r in rows))
 
 
 def _fmt(v: Any) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from ..evaluation.report import fmt_interval
+from ..tables import markdown_table
 
 HOW_TO_READ = """\
 How to read it. Every system stands in for the document in the same base model, at the bytes in the
@@ -62,18 +63,18 @@ def split_table(rows: Sequence[dict[str, Any]], kv_bytes: int | None) -> str:
     head = ("system", "kind", "ρ", "bytes", "KL to full [95% CI]", "KL recovered, % [95% CI]",
             "token acc, % [95% CI]", "cross-entropy [95% CI]", "ROUGE-L vs full [95% CI]", "exact", "cosine",
             "train s", "state s")
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in sorted(rows, key=sort_key):
-        cells = (r["system"], r["kind"], "–" if r.get("rho") is None else f"{r['rho']:g}",
-                 _bytes(r["state_bytes"], kv_bytes), _ci(r, "kl_to_full", "kl"),
-                 _pct(r, "recovered_kl", "recovered_kl"),
-                 _pct(r, "token_acc", "token_acc"), _ci(r, "cross_entropy", "cross_entropy"),
-                 _ci(r, "agreement_rouge_l", "agreement_rouge_l"),
-                 "–" if r.get("agreement_exact") is None else f"{100 * r['agreement_exact']:.0f} %",
-                 "–" if r.get("agreement_cosine") is None else f"{r['agreement_cosine']:.3f}",
-                 _seconds(r.get("train_seconds")), _seconds(r.get("state_seconds")))
-        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
-    return "\n".join(lines) + "\n"
+    return markdown_table(head, (_split_cells(r, kv_bytes) for r in sorted(rows, key=sort_key)))
+
+
+def _split_cells(r: dict[str, Any], kv_bytes: int | None) -> tuple:
+    return (r["system"], r["kind"], "–" if r.get("rho") is None else f"{r['rho']:g}",
+            _bytes(r["state_bytes"], kv_bytes), _ci(r, "kl_to_full", "kl"),
+            _pct(r, "recovered_kl", "recovered_kl"),
+            _pct(r, "token_acc", "token_acc"), _ci(r, "cross_entropy", "cross_entropy"),
+            _ci(r, "agreement_rouge_l", "agreement_rouge_l"),
+            "–" if r.get("agreement_exact") is None else f"{100 * r['agreement_exact']:.0f} %",
+            "–" if r.get("agreement_cosine") is None else f"{r['agreement_cosine']:.3f}",
+            _seconds(r.get("train_seconds")), _seconds(r.get("state_seconds")))
 
 
 def comparison_markdown(rows: Sequence[dict[str, Any]], facts: dict[str, Any], figure: str | None = None) -> str:

@@ -1,6 +1,7 @@
 """Parsing the judge's reply: ``{"score": 1..5, "reasoning": "..."}``, robustly but never guessed.
 
-Accepted: the JSON object alone, inside a code fence, or surrounded by other text; the score as an
+Accepted: the JSON object alone, inside a code fence, or surrounded by other text (found by the
+one JSON scanner, ``nectar.llm.parsing``: reasoning blocks dropped, trailing commas forgiven); the score as an
 int, an integral float (4.0) or a numeric string ("4"); and, for replies cut off mid-JSON (the
 judge ran out of tokens), an explicit ``"score": N`` key/value. Everything else — no score key, a
 score outside 1..5, a fractional score, or two different scores in one reply — is a parse error,
@@ -11,6 +12,8 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+
+from ..llm.parsing import find_all_json
 
 SCORE_MIN, SCORE_MAX = 1, 5
 
@@ -25,21 +28,6 @@ class ParsedJudgment:
     score: int | None
     reasoning: str
     error: str | None  # None when score is a valid 1..5 integer
-
-
-def _json_objects(text: str) -> list[dict]:
-    """Every top-level ``{...}`` in ``text`` that parses as a JSON object, in order."""
-    found, decoder, i = [], json.JSONDecoder(), 0
-    while (i := text.find("{", i)) != -1:
-        try:
-            obj, end = decoder.raw_decode(text, i)
-        except json.JSONDecodeError:
-            i += 1
-            continue
-        if isinstance(obj, dict):
-            found.append(obj)
-        i = end
-    return found
 
 
 def _as_score(value: object) -> tuple[int | None, str | None]:
@@ -64,7 +52,7 @@ def parse_judgment(text: str | None) -> ParsedJudgment:
     """Parse one judge reply; see the module docstring for what counts as a score."""
     if text is None or not text.strip():
         return ParsedJudgment(None, "", "empty reply")
-    objects = [o for o in _json_objects(text) if "score" in o]
+    objects = find_all_json(text, lambda v: isinstance(v, dict) and "score" in v)  # left to right
     if objects:
         values = {json.dumps(o["score"]) for o in objects}
         if len(values) > 1:

@@ -20,6 +20,7 @@ from .judge import judge_summary
 from .metrics import accuracy_gap, recovered_fraction
 from .quality import INTERVAL_PREFIX
 from ..schemas.artifacts import BenchmarkRow, PerLayerRow
+from ..tables import markdown_table
 
 
 @dataclass
@@ -258,9 +259,7 @@ def _md_table(rows: list[dict[str, Any]], columns: Sequence[str] | None = None) 
     if not rows:
         return "_none_\n"
     cols = list(columns or rows[0].keys())
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(_md_cell(r.get(c)) for c in cols) + " |" for r in rows]
-    return "\n".join(lines) + "\n"
+    return markdown_table(cols, ([_md_cell(r.get(c)) for c in cols] for r in rows))
 
 
 def sample_generations(inputs: ReportInputs) -> list[GenerationRow]:

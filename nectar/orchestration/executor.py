@@ -149,6 +149,9 @@ StageResult = tuple[list[str], dict[str, Any]]
 # Redo only the damaged part of a stage's outputs: given the changed files, fix the stage's own
 # resume state so its body rebuilds them; return the changes it did not handle.
 Repair = Callable[[str, list[integrity.Change]], list[integrity.Change]]
+# Word a body's exception for the user before it is recorded: the same one (e.g. with a hint added)
+# or a clearer one (its ``__cause__`` the original).
+Explain = Callable[[Exception], Exception]
 ATTEMPT = "attempt.json"  # the cache key the stage's partial files were made for
 
 
@@ -174,23 +177,7 @@ def run_stage(
     code: str | None = None,
     repair: Repair | None = None,
     notify: Callable[[str], None] = _stderr,
-) -> StageOutcome:
-    """Run ``body(stage_url)`` unless the stage is complete (``_run_stage``), naming the stage as the
-    one running (``shutdown.doing``: a stop during it says so)."""
-    with shutdown.doing(stage):
-        return _run_stage(run, stage, config, inputs, body, force, code, repair, notify)
-
-
-def _run_stage(
-    run: RunDir,
-    stage: str,
-    config: FrozenConfig | dict[str, Any],
-    inputs: dict[str, str],
-    body: Callable[[str], StageResult],
-    force: bool = False,
-    code: str | None = None,
-    repair: Repair | None = None,
-    notify: Callable[[str], None] = _stderr,
+    explain: Explain | None = None,
 ) -> StageOutcome:
     """Run ``body(stage_url)`` unless a manifest with the same cache key exists AND the outputs on
     disk still match the digests it recorded.
@@ -199,62 +186,73 @@ def _run_stage(
     mid-stage never looks complete. The body resumes from the partial files it left only when
     they were made for the same cache key (``attempt.json``) and the run isn't forced; otherwise
     the stage folder starts empty. Damaged outputs of a completed stage are removed (or handed to
-    ``repair``) and the body rebuilds them, with one line through ``notify`` naming the file.
+    ``repair``) and the body rebuilds them, with one line through ``notify`` naming the file. An
+    exception of the body is recorded (and raised as ``StageError``) as ``explain`` words it, when
+    given. The stage is named as the one running throughout (``shutdown.doing``: a stop says so).
     """
     if stage not in STAGES and stage != "document":
         raise ValueError(f"unknown stage {stage!r}")
     code = code or CODE_VERSION
     key = cache_key(stage, config, inputs, code)
-    try:
-        existing = run.read_manifest(stage)
-    except ArtifactError as exc:
-        notify(f"{stage}: {exc}; redoing {stage}")
-        existing = None
-    damaged: list[integrity.Change] = []
-    if existing is not None and existing.cache_key == key and not force:
-        damaged = check_stage(run, stage, existing)
-        if not damaged:
-            _record_invocation(run, stage, "cached")
-            return StageOutcome(stage, "cached", existing, existing.outputs)
-        notify(f"{stage}: {integrity.summarize(stage, damaged)} since the stage completed; redoing {stage}")
-    run.invalidate(stage)
-    run.clear_error(stage)
-    if damaged:
-        _remove_damaged(run, stage, existing, damaged, repair)
-    elif force or _attempt_key(run, stage) != key:
-        _clear_stage(run, stage)  # partial files of another configuration/inputs/code, or a forced redo
-    stage_url = run.makedirs(stage)
-    atomic_write(run.url(stage, ATTEMPT), json.dumps({"cache_key": key, "started_at": now()}))
-    started, t0 = now(), time.perf_counter()
-    try:
-        with written_digests(stage_url) as written:
-            files, counts = body(stage_url)
-        fs, path = fsspec.core.url_to_fs(stage_url)
-        digests = integrity.digest_outputs(fs, path, files, written)
-    except BaseException as exc:
+    with shutdown.doing(stage):
         try:
-            stop, _ = shutdown.stopped_by()
-            if isinstance(exc, KeyboardInterrupt) or stop is not None:  # asked to stop: the next run resumes
-                why = str(stop or exc) or "SIGINT (Ctrl-C)"
-                run.write_error(stage, f"interrupted: {why}; the next run resumes this stage")
-            else:
-                run.write_error(stage, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}")
-            _record_invocation(run, stage, "failed")
-        except OSError as record_exc:  # e.g. the disk that made the stage fail is full: report the stage's error
-            notify(f"{stage}: could not record the failure in {run.url(stage)} ({record_exc})")
-        if not isinstance(exc, Exception):
-            raise
-        raise StageError(stage, exc) from exc
-    outputs = {name: integrity.output_digest(digests, name) for name in files}
-    cfg = config.cache_dict() if isinstance(config, FrozenConfig) else config
-    manifest = StageManifest(
-        stage=stage, cache_key=key, config=cfg, inputs=inputs, outputs=outputs,
-        code_version=code, counts=counts, started_at=started, finished_at=now(),
-        duration_s=round(time.perf_counter() - t0, 3), files=digests,
-    )
-    write_json_artifact(run.manifest_url(stage), manifest)
-    _record_invocation(run, stage, "done")
-    return StageOutcome(stage, "done", manifest, outputs)
+            existing = run.read_manifest(stage)
+        except ArtifactError as exc:
+            notify(f"{stage}: {exc}; redoing {stage}")
+            existing = None
+        damaged: list[integrity.Change] = []
+        if existing is not None and existing.cache_key == key and not force:
+            damaged = check_stage(run, stage, existing)
+            if not damaged:
+                _record_invocation(run, stage, "cached")
+                return StageOutcome(stage, "cached", existing, existing.outputs)
+            notify(f"{stage}: {integrity.summarize(stage, damaged)} since the stage completed; redoing {stage}")
+        run.invalidate(stage)
+        run.clear_error(stage)
+        if damaged:
+            _remove_damaged(run, stage, existing, damaged, repair)
+        elif force or _attempt_key(run, stage) != key:
+            _clear_stage(run, stage)  # partial files of another configuration/inputs/code, or a forced redo
+        stage_url = run.makedirs(stage)
+        atomic_write(run.url(stage, ATTEMPT), json.dumps({"cache_key": key, "started_at": now()}))
+        started, t0 = now(), time.perf_counter()
+        try:
+            with written_digests(stage_url) as written:
+                files, counts = body(stage_url)
+            fs, path = fsspec.core.url_to_fs(stage_url)
+            digests = integrity.digest_outputs(fs, path, files, written)
+        except BaseException as exc:
+            if explain is not None and isinstance(exc, Exception):
+                exc = explain(exc)
+            _record_stage_failure(run, stage, exc, notify)
+            if not isinstance(exc, Exception):
+                raise
+            raise StageError(stage, exc) from exc
+        outputs = {name: integrity.output_digest(digests, name) for name in files}
+        cfg = config.cache_dict() if isinstance(config, FrozenConfig) else config
+        manifest = StageManifest(
+            stage=stage, cache_key=key, config=cfg, inputs=inputs, outputs=outputs,
+            code_version=code, counts=counts, started_at=started, finished_at=now(),
+            duration_s=round(time.perf_counter() - t0, 3), files=digests,
+        )
+        write_json_artifact(run.manifest_url(stage), manifest)
+        _record_invocation(run, stage, "done")
+        return StageOutcome(stage, "done", manifest, outputs)
+
+
+def _record_stage_failure(run: RunDir, stage: str, exc: BaseException, notify: Callable[[str], None]) -> None:
+    """error.json and the invocation record of a body that raised ``exc`` (an interruption says the
+    next run resumes); a failure to record it (e.g. the full disk that failed the stage) is told."""
+    try:
+        stop, _ = shutdown.stopped_by()
+        if isinstance(exc, KeyboardInterrupt) or stop is not None:  # asked to stop: the next run resumes
+            why = str(stop or exc) or "SIGINT (Ctrl-C)"
+            run.write_error(stage, f"interrupted: {why}; the next run resumes this stage")
+        else:
+            run.write_error(stage, f"{type(exc).__name__}: {exc}\n{''.join(traceback.format_exception(exc, limit=6))}")
+        _record_invocation(run, stage, "failed")
+    except OSError as record_exc:
+        notify(f"{stage}: could not record the failure in {run.url(stage)} ({record_exc})")
 
 
 def _attempt_key(run: RunDir, stage: str) -> str | None:

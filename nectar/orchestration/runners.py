@@ -7,7 +7,7 @@ from typing import Any, Callable
 import fsspec
 
 from .. import integrity
-from .executor import Repair, RunDir, StageOutcome, StageResult, check_stage, run_stage
+from .executor import RunDir, StageOutcome, check_stage, run_stage
 from ..schemas.artifacts import ChunkRow, DatasetRow, PairRow
 from ..schemas.config import STAGES
 from ..tables import ArtifactError, read_table
@@ -74,26 +74,31 @@ def check_inputs_done(run: RunDir, stage: str, source_uri: str) -> None:
                 f"`nectar run {shlex.quote(source_uri)} --run-dir {shlex.quote(holder.root)} --from {up}` first")
 
 
-def _run(ctx: RunContext, stage: str, config: Any, inputs: dict[str, str], body: Callable[[str], StageResult],
-         force: bool, repair: Repair | None = None) -> StageOutcome:
-    """``run_stage`` with this stage's code version, and input errors that say how to rebuild the input."""
-    def guarded(url: str) -> StageResult:
-        try:
-            return body(url)
-        except ArtifactError as exc:
-            _add_rebuild_hint(ctx, stage, exc)
-            raise
-        except ValueError as exc:
-            if "checksum" not in str(exc):
-                raise
-            # zarr's crc32c codec refused a chunk: find the file and say so
-            _upstream_outputs(ctx, stage)  # raises InputChanged naming it
-            up = UPSTREAM[stage][0]
-            raise ArtifactError(f"{stage}: an input chunk failed its crc32c check ({exc}); rebuild the "
-                                f"inputs with `{rebuild_command(ctx, up)}`") from exc
+def _wiring(ctx: RunContext, stage: str) -> dict[str, Any]:
+    """What every runner hands ``run_stage`` besides its config, inputs and body: the stage's code
+    version (its runner's imports), the run's notices, and input errors worded with the command that
+    rebuilds the input."""
+    return {"code": code_version(STAGE_RUNNERS[stage]), "notify": ctx.notify,
+            "explain": lambda exc: _explain_input_error(ctx, stage, exc)}
 
-    return run_stage(ctx.run, stage, config, inputs, guarded, force, code=code_version(STAGE_RUNNERS[stage]),
-                     repair=repair, notify=ctx.notify)
+
+def _explain_input_error(ctx: RunContext, stage: str, exc: Exception) -> Exception:
+    """An unreadable input names its file: add the command that rebuilds it. A chunk that failed
+    zarr's crc32c check: find the file that changed and say so."""
+    if isinstance(exc, ArtifactError):
+        _add_rebuild_hint(ctx, stage, exc)
+        return exc
+    if not isinstance(exc, ValueError) or "checksum" not in str(exc):
+        return exc
+    try:
+        _upstream_outputs(ctx, stage)  # raises InputChanged naming the file
+    except Exception as changed:  # noqa: BLE001 - what the check found is the clearer error
+        return changed
+    up = UPSTREAM[stage][0]
+    clearer = ArtifactError(f"{stage}: an input chunk failed its crc32c check ({exc}); rebuild the "
+                            f"inputs with `{rebuild_command(ctx, up)}`")
+    clearer.__cause__ = exc
+    return clearer
 
 
 def _add_rebuild_hint(ctx: RunContext, stage: str, exc: ArtifactError) -> None:
@@ -143,8 +148,8 @@ def run_chunk(ctx: RunContext, force: bool = False) -> StageOutcome:
         write_table(f"{url}/chunks.parquet", rows, ChunkRow)
         return ["chunks.parquet"], {"chunks": len(rows), "words": ctx.info.n_words}
 
-    return _run(ctx, "chunk", {"chunk": ctx.config.chunk.cache_dict()}, _upstream_outputs(ctx, "chunk"), body,
-                force)
+    return run_stage(ctx.run, "chunk", {"chunk": ctx.config.chunk.cache_dict()}, _upstream_outputs(ctx, "chunk"),
+                     body, force, **_wiring(ctx, "chunk"))
 
 
 def run_synthesize(ctx: RunContext, force: bool = False) -> StageOutcome:
@@ -161,7 +166,8 @@ def run_synthesize(ctx: RunContext, force: bool = False) -> StageOutcome:
         counts["llm"] = llm_record(backend, ctx.config.synthesize.llm)
         return ["pairs.parquet", "requests.json"], counts
 
-    return _run(ctx, "synthesize", _stage_config(ctx, "synthesize"), inputs, body, force)
+    return run_stage(ctx.run, "synthesize", _stage_config(ctx, "synthesize"), inputs, body, force,
+                     **_wiring(ctx, "synthesize"))
 
 
 def run_verify(ctx: RunContext, force: bool = False) -> StageOutcome:
@@ -182,7 +188,8 @@ def run_verify(ctx: RunContext, force: bool = False) -> StageOutcome:
         counts["llm"] = {"answer": llm_record(answer, vcfg.answer_llm), "judge": llm_record(judge, vcfg.judge)}
         return ["dataset.parquet"], counts
 
-    return _run(ctx, "verify", _stage_config(ctx, "verify"), inputs, body, force)
+    return run_stage(ctx.run, "verify", _stage_config(ctx, "verify"), inputs, body, force,
+                     **_wiring(ctx, "verify"))
 
 
 def _train_log(ctx: RunContext) -> list:
@@ -237,7 +244,8 @@ def run_targets(ctx: RunContext, force: bool = False) -> StageOutcome:
         counts["recon_spans"] = len(recon)
         return [STORE_NAME, "pairs.parquet", "probes.parquet", "doc_kv.safetensors"], counts
 
-    return _run(ctx, "targets", _stage_config(ctx, "targets"), inputs, body, force, repair=repair_shards)
+    return run_stage(ctx.run, "targets", _stage_config(ctx, "targets"), inputs, body, force, repair=repair_shards,
+                     **_wiring(ctx, "targets"))
 
 
 def run_train(ctx: RunContext, force: bool = False) -> StageOutcome:
@@ -261,7 +269,8 @@ def run_train(ctx: RunContext, force: bool = False) -> StageOutcome:
                        progress=ctx.progress("train"), document=ctx.text, spans=spans)
         return list(TRAIN_OUTPUTS), counts
 
-    return _run(ctx, "train", _stage_config(ctx, "train"), inputs, body, force)
+    return run_stage(ctx.run, "train", _stage_config(ctx, "train"), inputs, body, force,
+                     **_wiring(ctx, "train"))
 
 
 def run_evaluate(ctx: RunContext, force: bool = False) -> StageOutcome:
@@ -299,7 +308,8 @@ def run_evaluate(ctx: RunContext, force: bool = False) -> StageOutcome:
         return [*result["files"], "tables.json"], {**result["counts"],
                                                    "judge_llm": llm_record(backend, ctx.config.evaluate.judge)}
 
-    return _run(ctx, "evaluate", _stage_config(ctx, "evaluate"), inputs, body, force)
+    return run_stage(ctx.run, "evaluate", _stage_config(ctx, "evaluate"), inputs, body, force,
+                     **_wiring(ctx, "evaluate"))
 
 
 STAGE_RUNNERS: dict[str, Callable[[RunContext, bool], StageOutcome]] = {

@@ -138,6 +138,15 @@ def _pipeline_run_name() -> str:
     return f"{_key(doc) or 'document'}-pipeline"
 
 
+def _stage_subflow(ctx: orchestration.RunContext, stage: str, force: bool) -> dict[str, Any]:
+    """The core's ``run_one`` under Prefect: the stage as the ``nectar-stage`` subflow, named
+    ``<doc-id>-<stage>`` (a child run's ``<doc-id>-<its folder>-<stage>``) and tagged by document."""
+    child = f"-{ctx.run.root.rstrip('/').split('/')[-1]}" if ctx.parent is not None else ""
+    with tags("nectar", f"doc:{ctx.doc_id}"):
+        runner = nectar_stage.with_options(flow_run_name=f"{ctx.doc_id}{child}-{stage}")
+        return runner(run_dir=ctx.run.root, stage=stage, force=force)
+
+
 @flow(name="nectar-pipeline", flow_run_name=_pipeline_run_name, log_prints=True)
 def nectar_pipeline(
     document: str,
@@ -150,25 +159,13 @@ def nectar_pipeline(
     force: bool = False,
     regime: str | None = None,
 ) -> dict[str, Any]:
-    """chunk → synthesize → verify → targets → train → evaluate for one document."""
+    """chunk → synthesize → verify → targets → train → evaluate for one document: the orchestration
+    core (``orchestration.run_document``) with each stage as a subflow, one run per document at a
+    time on a server (``doc_slot``)."""
     config = load_config(preset, config_file, regime, overrides or [])
-    plan = orchestration.plan_stages(from_stage, only_stage, force)
-    checked = orchestration.check_request(document, config, run_dir, only_stage)
-    results = {}
-    # One writer per run directory; one run per document at a time on a server (doc_slot). Always in
-    # this order (the CLI takes the run-directory lock before the flow starts): no lock cycle.
-    with orchestration.run_lock(checked.run.root, notify=_notify), doc_slot(checked.info.doc_id):
-        if checked.reopen:
-            ctx = orchestration.open_run(checked.run.root)
-        else:
-            ctx = orchestration.prepare_run(document, config, checked=checked)
-        # One vLLM server (when a stage asks for one) shared by synthesize, verify and the judge,
-        # stopped when the run ends, fails or is interrupted.
-        with tags("nectar", f"doc:{ctx.doc_id}"), orchestration.llm_scope(ctx):
-            for stage, stage_force in plan:
-                runner = nectar_stage.with_options(flow_run_name=f"{ctx.doc_id}-{stage}")
-                results[stage] = runner(run_dir=ctx.run.root, stage=stage, force=stage_force)
-    return {"run_dir": ctx.run.root, "doc_id": ctx.doc_id, "stages": results}
+    done = orchestration.run_document(document, config, run_dir, from_stage=from_stage, only_stage=only_stage,
+                                      force=force, run_one=_stage_subflow, notify=_notify, slot=doc_slot)
+    return {"run_dir": done.ctx.run.root, "doc_id": done.ctx.doc_id, "stages": done.results}
 
 
 @flow(name="nectar-sweep", flow_run_name=lambda: _pipeline_run_name().replace("-pipeline", "-sweep"),
@@ -186,20 +183,18 @@ def nectar_sweep(
     """Data stages once, then train + evaluate for every grid variant; one comparison table."""
     config = load_config(preset, config_file, regime, overrides or [])
     variants = sweep.with_base(config, sweep.expand_variants(config, sweep.parse_grid(grid)))
-    checked = orchestration.check_run(document, config, run_dir)
+    request = orchestration.plan_document(document, config, run_dir, force=force)
     rows = []
-    with orchestration.run_lock(checked.run.root, notify=_notify), \
-            tags("nectar", f"doc:{checked.info.doc_id}", "sweep"):
-        ctx = orchestration.prepare_run(document, config, checked=checked)
+    with orchestration.open_document(request, config, notify=_notify) as ctx, \
+            tags("nectar", f"doc:{ctx.doc_id}", "sweep"):
         with orchestration.llm_scope(ctx):  # synthesize and verify share one vLLM server
-            for stage in orchestration.SHARED_DATA_STAGES:
-                nectar_stage.with_options(flow_run_name=f"{ctx.doc_id}-{stage}")(
-                    run_dir=ctx.run.root, stage=stage, force=force)
+            for stage, stage_force in request.plan:
+                if stage in orchestration.SHARED_DATA_STAGES:
+                    _stage_subflow(ctx, stage, stage_force)
         for variant in variants:
             vctx = sweep.variant_context(ctx, variant)
             for stage in ("train", "evaluate"):
-                nectar_stage.with_options(flow_run_name=f"{ctx.doc_id}-{variant.name}-{stage}")(
-                    run_dir=vctx.run.root, stage=stage, force=force)
+                _stage_subflow(vctx, stage, force)
             rows.append(sweep.comparison_row(variant, vctx.run))
         table_md = sweep.comparison_markdown(rows)
         atomic_write(ctx.run.url("sweep", "comparison.md"), table_md)
@@ -221,18 +216,7 @@ def nectar_compare(run_dir: str, rhos: list[float] | None = None, systems: list[
     ctx = comparison.open_for_compare(run_dir)
     ctx.progress = _prefect_progress(ctx.doc_id)
     with tags("nectar", f"doc:{ctx.doc_id}", "compare"):
-        comparison.refresh_targets(ctx, lambda c, stage: nectar_stage.with_options(
-            flow_run_name=f"{ctx.doc_id}-{stage}")(run_dir=c.run.root, stage=stage, force=False))
-        jobs = comparison.plan_jobs(ctx, systems, rhos)
-        t0 = time.perf_counter()
-
-        def train_stage(vctx: orchestration.RunContext) -> Any:
-            name = vctx.run.root.rstrip("/").split("/")[-1]
-            return nectar_stage.with_options(flow_run_name=f"{ctx.doc_id}-{name}-train")(
-                run_dir=vctx.run.root, stage="train", force=False)
-
-        comparison.train_missing(jobs, train_stage, ctx.progress("compare:train"))
-        result = comparison.score_and_write(ctx, jobs, ctx.progress, {"train_s": time.perf_counter() - t0})
+        result = comparison.compare(ctx, systems, rhos, run_one=_stage_subflow, progress=ctx.progress)
     out = ctx.run.url("compare")
     create_table_artifact(key=_key(ctx.doc_id, "compare"), description=f"{ctx.doc_id} · equal-bytes comparison",
                           table=[r.model_dump(exclude={"schema_version"}) for r in result.rows])

@@ -5,7 +5,7 @@ attributes of Zarr groups and module files.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
@@ -16,7 +16,7 @@ __all__ = [
     "DocumentInfo", "ChunkRow", "PairRow", "DatasetRow", "ProbeRow", "Verdict", "Split",
     "StageManifest", "RunManifest", "TargetsHeader", "TargetsPairRow", "ModuleSpec",
     "TrainLogRow", "MetricsRow", "GenerationRow", "JudgmentRow", "PerLayerRow", "BenchmarkRow", "BenchSystem",
-    "ComparisonRow",
+    "ComparisonRow", "QualityColumns",
 ]
 
 
@@ -229,29 +229,34 @@ class TrainLogRow(Artifact):
     skipped_nonfinite: int = 0
 
 
-class MetricsRow(Artifact):
-    """Teacher-forced metrics of one model on one split; ``*_ci_low/high`` are 95 % paired bootstrap
-    intervals over pairs (nectar/evaluation/quality.py), None where undefined (e.g. < 2 pairs); the
-    interval columns are optional additions, so tables written before them still read."""
+class QualityColumns(Artifact):
+    """The quality columns a metrics row (one model, ``evaluate``) and a comparison row (one system at
+    one budget, ``compare``) share, on one split: teacher-forced metrics with 95 % paired bootstrap
+    intervals over pairs (nectar/evaluation/quality.py; None where undefined, e.g. < 2 pairs), and
+    greedy-generation agreement with the full-context model over ``n_agreement`` prompts.
 
-    schema_version: int = 1
+    Version 2 of both tables (these columns first, in this order); version-1 files still read (their
+    columns are read by name)."""
+
+    SCHEMA_VERSION: ClassVar[int] = 2
+    READS_VERSIONS: ClassVar[tuple[int, ...]] = (1, 2)
+
+    schema_version: int = 2
     split: str
-    model: Literal["module", "full", "none"]
-    token_acc: float
-    cross_entropy: float
-    kl_to_full: float
-    n_tokens: int
     n_pairs: int | None = None
+    n_tokens: int
+    token_acc: float | None = None
     token_acc_ci_low: float | None = None
     token_acc_ci_high: float | None = None
+    cross_entropy: float | None = None
     cross_entropy_ci_low: float | None = None
     cross_entropy_ci_high: float | None = None
+    kl_to_full: float | None = None
     kl_ci_low: float | None = None
     kl_ci_high: float | None = None
     recovered_kl: float | None = None  # 1 − KL_model / KL_none
     recovered_kl_ci_low: float | None = None
     recovered_kl_ci_high: float | None = None
-    # greedy-generation agreement with the full-context model over n_agreement prompts
     n_agreement: int = 0
     agreement_exact: float | None = None
     agreement_exact_ci_low: float | None = None
@@ -262,6 +267,21 @@ class MetricsRow(Artifact):
     agreement_cosine: float | None = None
     agreement_cosine_ci_low: float | None = None
     agreement_cosine_ci_high: float | None = None
+
+    @classmethod
+    def quality(cls, columns: dict[str, Any]) -> dict[str, Any]:
+        """The entries of ``columns`` (``SystemQuality.columns()``) that are quality columns."""
+        return {k: v for k, v in columns.items() if k in QualityColumns.model_fields and k != "schema_version"}
+
+
+class MetricsRow(QualityColumns):
+    """Teacher-forced metrics of one model on one split (``evaluate``: metrics.parquet); a model is
+    always scored, so its accuracy, cross-entropy and KL are numbers."""
+
+    model: Literal["module", "full", "none"]
+    token_acc: float
+    cross_entropy: float
+    kl_to_full: float
 
 
 class GenerationRow(Artifact):
@@ -323,45 +343,21 @@ class BenchmarkRow(Artifact):
     note: str = ""  # e.g. "random-init module of the same architecture (timing only)"
 
 
-class ComparisonRow(Artifact):
+class ComparisonRow(QualityColumns):
     """One system at one budget ρ on one split (``nectar compare``: compare/comparison.parquet).
 
-    Quality columns as in MetricsRow (95 % paired bootstrap intervals over pairs; every system of a
-    split is resampled on the same pairs). ``none`` and ``full`` are reference rows with rho None.
+    Quality columns as in MetricsRow (every system of a split is resampled on the same pairs).
+    ``none`` and ``full`` are reference rows with rho None.
     """
 
-    schema_version: int = 1
+    n_pairs: int
+    kl_to_full: float | None
     system: str
     kind: Literal["reference", "trained", "baseline", "kvpress"]
     regime: str | None = None  # training regime of a trained system (nectar/schemas/presets.py REGIMES)
     arch: str | None = None
     rho: float | None = None  # the budget: share of the document KV bytes (None for none/full)
     state_bytes: int  # bytes standing in for the document: 0 (none), the KV cache (full), the module/baseline
-    split: str
-    n_pairs: int
-    n_tokens: int
-    kl_to_full: float | None
-    kl_ci_low: float | None = None
-    kl_ci_high: float | None = None
-    recovered_kl: float | None = None
-    recovered_kl_ci_low: float | None = None
-    recovered_kl_ci_high: float | None = None
-    token_acc: float | None = None
-    token_acc_ci_low: float | None = None
-    token_acc_ci_high: float | None = None
-    cross_entropy: float | None = None
-    cross_entropy_ci_low: float | None = None
-    cross_entropy_ci_high: float | None = None
-    n_agreement: int = 0
-    agreement_rouge_l: float | None = None
-    agreement_rouge_l_ci_low: float | None = None
-    agreement_rouge_l_ci_high: float | None = None
-    agreement_exact: float | None = None
-    agreement_exact_ci_low: float | None = None
-    agreement_exact_ci_high: float | None = None
-    agreement_cosine: float | None = None
-    agreement_cosine_ci_low: float | None = None
-    agreement_cosine_ci_high: float | None = None
     train_seconds: float | None = None  # training (trained), fitting (baseline) or press (kvpress) time
     # seconds from the document to a usable state: the document's prefill (full); the data stages
     # (chunk → targets, from the run's manifests) plus training (trained) or the fit (baselines that

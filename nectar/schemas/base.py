@@ -63,6 +63,7 @@ class Artifact(BaseModel):
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
     SCHEMA_VERSION: ClassVar[int] = 1
+    READS_VERSIONS: ClassVar[tuple[int, ...]] = (1,)  # versions of its files this release reads
 
 
 def stable_hash(data: Any) -> str:

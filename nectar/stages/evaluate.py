@@ -56,8 +56,7 @@ def _metrics_rows(quality: dict[str, dict[str, SystemQuality]]) -> list[MetricsR
     for split, by_model in sorted(quality.items()):
         for model in ("module", "full", "none"):
             cols = by_model[model].columns()
-            rows.append(MetricsRow(split=split, model=model,
-                                   **{k: v for k, v in cols.items() if k in MetricsRow.model_fields}))
+            rows.append(MetricsRow(split=split, model=model, **MetricsRow.quality(cols)))
     return rows
 
 

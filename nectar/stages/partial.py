@@ -3,14 +3,16 @@
 A stage killed mid-way (Ctrl-C, OOM, a preempted worker) restarts where it stopped: finished
 units are files under ``<stage>/partial/``, written atomically, and skipped on the next run. A
 key file records what the partial results were computed for (config + inputs); if that changes,
-the stale files are discarded rather than mixed into new output.
+the stale files are discarded rather than mixed into new output. ``ask_saving`` is the LLM
+fan-out that fills them (synthesize, verify): replies saved as they arrive, failures asked again.
 """
 from __future__ import annotations
 
-from typing import Sequence, TypeVar
+from typing import Callable, Sequence, TypeVar
 
 import fsspec
 
+from ..llm import ChatBackend, ChatRequest, ChatResult, Progress
 from ..schemas.base import Artifact
 from ..tables import read_table, write_table
 
@@ -54,3 +56,33 @@ def clear_partial(url: str) -> None:
     fs, path = fsspec.core.url_to_fs(url.rstrip("/"))
     if fs.exists(path):
         fs.rm(path, recursive=True)
+
+
+def ask_saving(backend: ChatBackend, requests: Sequence[ChatRequest], names: Sequence[str],
+               save: Callable[[int, ChatResult], None], error: type[Exception], what: str, *,
+               progress: Progress | None = None, tick: Callable[[], None] | None = None,
+               finish: Callable[[], None] | None = None) -> None:
+    """A stage's resumable LLM fan-out: send ``requests`` (those no earlier attempt saved) and keep
+    each reply as it arrives (``save(i, result)``), so a killed run resumes. A failed request is not
+    saved: a re-run asks it again. ``tick`` is called for every reply, ``finish`` after the last one,
+    also when the backend raised (e.g. to write what is buffered). Then raises ``error`` naming how
+    many failed and the first (``names[i]``: what request i was for)."""
+    failures: list[str] = []
+
+    def on_result(i: int, result: ChatResult) -> None:
+        if tick is not None:
+            tick()
+        if result.error is not None:
+            failures.append(f"{names[i]}: {result.error}")
+            return
+        save(i, result)
+
+    try:
+        backend.chat_many(list(requests), progress=progress, on_result=on_result)
+    finally:
+        if finish is not None:
+            finish()
+    if failures:
+        raise error(f"{len(failures)} of {len(requests)} {what} request(s) failed (first: {failures[0]}); "
+                    f"the {len(requests) - len(failures)} that succeeded are saved and a re-run asks only "
+                    "the failed ones")

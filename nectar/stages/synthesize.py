@@ -26,7 +26,7 @@ from ..schemas.base import stable_hash
 from ..schemas.config import TASK_TYPES, SynthesizeConfig, TaskType
 from ..storage import atomic_write
 from ..tables import write_table
-from .partial import PartialStore
+from .partial import PartialStore, ask_saving
 
 PAIRS_FILE = "pairs.parquet"
 REQUESTS_FILE = "requests.json"
@@ -62,13 +62,8 @@ def synthesize(chunks: list[ChunkRow], cfg: SynthesizeConfig, backend: ChatBacke
         for c, task, n, ks in pending
     ]
 
-    failures: list[str] = []
-
-    def on_result(i: int, result: ChatResult) -> None:
+    def save(i: int, result: ChatResult) -> None:
         c, task, _, ks = pending[i]
-        if result.error is not None:  # the request itself failed (server, timeout): asked again next run
-            failures.append(f"{_job_name(c, task, ks[0])}: {result.error}")
-            return
         for k, sample in zip(ks, result.samples()):
             store.write(_job_name(c, task, k), rows_from_result(c.chunk_id, task, sample, k))
 
@@ -76,11 +71,8 @@ def synthesize(chunks: list[ChunkRow], cfg: SynthesizeConfig, backend: ChatBacke
     report = (lambda d, t: progress(d, len(requests))) if progress else None
     if report:
         report(0, len(requests))
-    backend.chat_many(requests, progress=report, on_result=on_result)
-    if failures:
-        raise SynthesizeError(f"{len(failures)} of {len(pending)} synthesis request(s) failed (first: {failures[0]}); "
-                              f"the {len(pending) - len(failures)} that succeeded are saved and a re-run asks only "
-                              "the failed ones")
+    ask_saving(backend, requests, [_job_name(c, task, ks[0]) for c, task, _, ks in pending], save, SynthesizeError,
+               "synthesis", progress=report)
 
     rows = [row for name in jobs for row in store.read(name)]
     out = out_url.rstrip('/')

@@ -33,7 +33,7 @@ from ..schemas.artifacts import DatasetRow, PairRow
 from ..schemas.base import Artifact, stable_hash
 from ..schemas.config import VerifyConfig
 from ..tables import write_table
-from .partial import PartialStore, clear_partial
+from .partial import PartialStore, ask_saving, clear_partial
 
 DATASET_FILE = "dataset.parquet"
 
@@ -136,7 +136,6 @@ def _run_resumable(store: PartialStore, requests: dict[str, Any], backend: ChatB
         done.update({r.pair_id: r.text for r in store.read(name)})
     ticker.add(len([k for k in requests if k in done]))
     pending = [k for k in requests if k not in done]
-    failures: list[str] = []
     buffer: list[Artifact] = []
     flush_every = max(8, getattr(backend, "batch_size", 8), getattr(backend, "max_concurrency", 8))
     seq = len(store.done())
@@ -147,25 +146,15 @@ def _run_resumable(store: PartialStore, requests: dict[str, Any], backend: ChatB
             store.write(f"{what}-{seq:06d}", buffer)
             seq, buffer = seq + 1, []
 
-    def on_result(i: int, result: ChatResult) -> None:
-        pid = pending[i]
-        ticker.add(1)
-        if result.error is not None:
-            failures.append(f"{pid}: {result.error}")
-            return  # not saved: the re-run retries it
-        done[pid] = result.text
-        buffer.append(store.row_cls(pair_id=pid, text=result.text))
+    def save(i: int, result: ChatResult) -> None:
+        done[pending[i]] = result.text
+        buffer.append(store.row_cls(pair_id=pending[i], text=result.text))
         if len(buffer) >= flush_every:
             flush()
 
-    try:
-        backend.chat_many([requests[k] for k in pending], on_result=on_result)
-    finally:
-        flush()  # keep what arrived, also when the backend raised (e.g. server gone)
-    if failures:
-        raise VerifyError(f"{len(failures)} of {len(pending)} {what} request(s) failed (first: {failures[0]}); "
-                          f"the {len(pending) - len(failures)} that succeeded are saved and a re-run retries "
-                          "only the failed ones")
+    # replies saved in batches; what arrived is kept also when the backend raised (e.g. server gone)
+    ask_saving(backend, [requests[k] for k in pending], pending, save, VerifyError, what,
+               tick=lambda: ticker.add(1), finish=flush)
     return done
 
 

@@ -78,7 +78,7 @@ def test_compare_writes_every_system_and_split_and_reuses_training(tiny_run, ext
     systems = ["none", "full", *TRAINED, "quad_regression"] + (BASELINES if baselines_available() else [])
     trained = []
     res = comparison.compare(ctx, systems, rhos=[0.1],
-                             train_stage=lambda v: trained.append(orchestration.run_train(v).status))
+                             run_one=lambda c, stage, force: trained.append(orchestration.run_train(c).status))
     rows = read_table(ctx.run.url("compare", "comparison.parquet"), ComparisonRow)
     assert rows == res.rows
     rhos = [ctx.config.train.module.rho, 0.1]
@@ -117,7 +117,7 @@ def test_compare_writes_every_system_and_split_and_reuses_training(tiny_run, ext
     # a second compare trains nothing: every train stage is a cache hit
     again = []
     comparison.train_missing(comparison.plan_jobs(ctx, ["none", "full", "mixed"], [0.1]),
-                             lambda v: again.append(orchestration.run_train(v).status))
+                             lambda c, stage, force: again.append(orchestration.run_train(c).status))
     assert again == ["cached", "cached"]
 
 
@@ -217,7 +217,7 @@ def test_compare_at_equal_bytes_with_quantized_baselines(tiny_run):
     rhos = comparison.parse_bytes("0.1,0.2", ctx.config.model.dtype)
     assert ctx.config.model.dtype == "float32" and rhos == fractions  # float32 KV: ρ is the byte share
     systems = ["none", "full", "evict", "evict@int8", "evict@int4", "attention_matching@int4", "truncate@int4"]
-    res = comparison.compare(ctx, systems, rhos=rhos, train_stage=lambda v: None)
+    res = comparison.compare(ctx, systems, rhos=rhos, run_one=lambda c, stage, force: None)
     by = {(r.system, r.rho, r.split): r for r in res.rows}
     kv = by[("full", None, "test")].state_bytes
     for rho in rhos:

@@ -37,21 +37,16 @@ class Outcome:
 def run_pipeline(run_dir: str, *overrides: str, document: str = DOCUMENT, only: str | None = None,
                  from_stage: str | None = None, stages=STAGES) -> Outcome:
     """What ``nectar run DOC --preset tiny --run-dir RUN [--set …]`` does, without Prefect: the same
-    checks, lock and stage runners; errors are caught and classified as the CLI does."""
+    orchestration core with each stage run in this process; errors are caught and classified as the
+    CLI does."""
     out = Outcome()
+
+    def run_one(ctx, stage: str, force: bool):  # each stage's status as it ends (kept when a later one fails)
+        out.statuses[stage] = orchestration.run_here(ctx, stage, force).status
+
     try:
-        cfg = tiny_config(*overrides)
-        plan = orchestration.plan_stages(from_stage, only, False)
-        checked = orchestration.check_request(document, cfg, run_dir, only)
-        if only:
-            orchestration.check_inputs_done(checked.run, only, checked.info.source_uri)
-        with orchestration.run_lock(checked.run.root, wait=False, notify=out.notices.append):
-            ctx = (orchestration.open_run(checked.run.root) if checked.reopen
-                   else orchestration.prepare_run(document, cfg, checked=checked))
-            ctx.notify = out.notices.append
-            for stage, force in plan:
-                if stage in stages:
-                    out.statuses[stage] = orchestration.STAGE_RUNNERS[stage](ctx, force).status
+        orchestration.run_document(document, tiny_config(*overrides), run_dir, from_stage=from_stage, only_stage=only,
+                                   stages=stages, run_one=run_one, notify=out.notices.append, wait=False)
     except Exception as exc:  # noqa: BLE001 - the row records what the user would see
         out.error = exc
     return out

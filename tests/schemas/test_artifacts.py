@@ -8,6 +8,7 @@ from pydantic import ValidationError
 
 from nectar.schemas import artifacts as A
 from nectar.schemas.base import Artifact
+from nectar.tables import ArtifactError
 
 
 def header(**over) -> A.TargetsHeader:
@@ -29,8 +30,38 @@ def test_every_exported_artifact_is_an_artifact_with_a_schema_version():
         obj = getattr(A, name)
         if isinstance(obj, type):
             assert issubclass(obj, Artifact), name
-            assert obj.SCHEMA_VERSION == 1
-            assert obj.model_fields["schema_version"].default == 1
+            version = 2 if issubclass(obj, A.QualityColumns) else 1  # metrics and comparison rows: v2
+            assert obj.SCHEMA_VERSION == version and obj.READS_VERSIONS[-1] == version
+            assert obj.model_fields["schema_version"].default == version
+
+
+@pytest.mark.parametrize("cls, extra", [
+    (A.MetricsRow, {"model": "module", "token_acc": 0.5, "cross_entropy": 1.2, "kl_to_full": 0.01}),
+    (A.ComparisonRow, {"system": "evict", "kind": "baseline", "state_bytes": 64, "n_pairs": 3, "kl_to_full": 0.02}),
+])
+def test_version_1_metrics_and_comparison_tables_still_read(tmp_path, cls, extra):
+    """Version 1 wrote these rows' columns in another order (before they shared QualityColumns)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from nectar.tables import read_table, write_table
+
+    row = cls(split="test", n_tokens=31, recovered_kl=0.9, recovered_kl_ci_low=0.8, recovered_kl_ci_high=0.95,
+              **extra)
+    v2 = tmp_path / "v2.parquet"
+    write_table(str(v2), [row], cls)
+    table = pq.read_table(v2)
+    old = table.select(table.column_names[::-1])  # another column order: read by name
+    old = old.set_column(old.schema.get_field_index("schema_version"), "schema_version", pa.array([1], pa.int64()))
+    old = old.replace_schema_metadata({b"nectar.schema": cls.__name__.encode(), b"nectar.version": b"1"})
+    pq.write_table(old, tmp_path / "v1.parquet")
+    (back,) = read_table(str(tmp_path / "v1.parquet"), cls)
+    assert back.model_dump(exclude={"schema_version"}) == row.model_dump(exclude={"schema_version"})
+    assert back.schema_version == 1 and row.schema_version == 2
+    newer = old.replace_schema_metadata({b"nectar.schema": cls.__name__.encode(), b"nectar.version": b"3"})
+    pq.write_table(newer, tmp_path / "v3.parquet")
+    with pytest.raises(ArtifactError, match="schema version 3, this release reads 1 and 2"):
+        read_table(str(tmp_path / "v3.parquet"), cls)
 
 
 def test_targets_header_round_trips_through_dump_and_validate():
