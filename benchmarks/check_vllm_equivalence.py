@@ -1,6 +1,6 @@
 """vLLM + a run's exported state vs the torch engine with the same state, on the run's held-out probes.
 
-Start the server first (`nectar serve-vllm RUN_DIR --dtype float32 --port P`), then:
+Start the server first (`nectar serve RUN_DIR --engine vllm --dtype float32 --port P`), then:
 
     python benchmarks/check_vllm_equivalence.py RUN_DIR http://127.0.0.1:P --prompts 30
 

@@ -281,10 +281,27 @@ def serve_cmd(
     batch_wait_ms: float = typer.Option(5.0, help="How long a new batch waits for more requests."),
     shutdown_timeout: float = typer.Option(120.0, help="On SIGTERM, wait this long for in-flight requests."),
     served_name: Optional[List[str]] = typer.Option(None, help="Model id clients send, one per run in order "
-                                                    "(default <doc-id>/<run-id>)."),
+                                                    "(default <doc-id>/<run-id>; --engine vllm: one id for all)."),
+    engine: str = typer.Option("torch", help="torch: this project's decode engine (every module type); vllm: "
+                               "vLLM's engine with each document's plain-KV state (docs/deployment.md §14)."),
+    dtype: str = typer.Option("bfloat16", help="--engine vllm: vLLM's dtype (float32 reproduces the torch "
+                              "engine most closely)."),
+    max_model_len: int = typer.Option(4096, help="--engine vllm: vLLM's window (m pseudo-tokens + query + answer)."),
+    kv_cache_gib: int = typer.Option(2, help="--engine vllm: VLLM_CPU_KVCACHE_SPACE (GiB) on CPU."),
+    enforce_eager: bool = typer.Option(False, help="--engine vllm: skip torch.compile (faster start, slower decode)."),
+    state: Optional[str] = typer.Option(None, help="--engine vllm: which state: trained, or a plain-KV baseline "
+                                        "(attention_matching_kv, truncate); default: trained if plain KV, else "
+                                        "attention_matching_kv."),
 ) -> None:
     """Serve runs' modules over one base model behind an OpenAI-compatible API (/v1/chat/completions,
-    /v1/models, /metrics, /health)."""
+    /v1/completions with --engine vllm, /v1/models, /metrics, /health)."""
+    if engine not in ("torch", "vllm"):
+        console.print(f"[red]error:[/red] --engine {engine!r}: choose torch or vllm")
+        raise typer.Exit(2)
+    if engine == "vllm":
+        _serve_vllm(run_dirs, host, port, api_key, allow_unauthenticated, max_batch, served_name, dtype,
+                    max_model_len, kv_cache_gib, enforce_eager, state)
+        return
     from pydantic import ValidationError
 
     from ..modules.io import ModuleMismatch
@@ -318,29 +335,26 @@ def serve_cmd(
     shutdown.exit_now(0)
 
 
-@app.command("serve-vllm")
-def serve_vllm_cmd(
-    run_dirs: List[str] = typer.Argument(..., help="Run directories (one per document, same base model)."),
-    host: str = typer.Option("127.0.0.1", help="Interface vLLM listens on."),
-    port: int = typer.Option(8000, help="TCP port (0: any free port; the URL is printed)."),
-    dtype: str = typer.Option("bfloat16", help="vLLM's dtype (float32 reproduces the torch engine most closely)."),
-    max_model_len: int = typer.Option(4096, help="vLLM's window: m pseudo-tokens + query + answer."),
-    kv_cache_gib: int = typer.Option(2, help="VLLM_CPU_KVCACHE_SPACE (GiB) on CPU."),
-    enforce_eager: bool = typer.Option(False, help="Skip torch.compile (faster start, slower decode)."),
-    state: Optional[str] = typer.Option(None, help="Which state: trained, or a plain-KV baseline "
-                                        "(attention_matching_kv, truncate); default: trained if plain KV, else "
-                                        "attention_matching_kv."),
-) -> None:
-    """Serve runs' document states through vLLM (OpenAI API) with the NECTAR KV connector."""
+def _serve_vllm(run_dirs, host, port, api_key, allow_unauthenticated, max_batch, served_name, dtype, max_model_len,
+                kv_cache_gib, enforce_eager, state) -> None:
+    """``nectar serve --engine vllm``: the runs' states through vLLM (same key and exposure rules)."""
+    from ..serving.runner import Unauthenticated, api_keys, check_exposure
     from ..serving.vllm_engine import VLLMStartError
     from ..serving.vllm_state import NotPlainKV
     from .serve_vllm import VLLMOptions, serve_vllm
 
+    if served_name and len(served_name) > 1:
+        console.print("[red]error:[/red] --engine vllm serves every document under one model id (clients pick "
+                      "the document by cache_salt); give --served-name once")
+        raise typer.Exit(2)
     try:
+        keys = api_keys(api_key)
+        check_exposure(host, keys, allow_unauthenticated)
         serve_vllm(run_dirs, VLLMOptions(host, port, dtype, max_model_len, kv_cache_gib, enforce_eager,
-                                         source=state), log=console.print)
-    except (NotPlainKV, VLLMStartError, FileNotFoundError, ValueError) as exc:
-        console.print(f"[red]error:[/red] {exc}")
+                                         served_name[0] if served_name else None, source=state,
+                                         max_num_seqs=max_batch, api_keys=keys), log=console.print)
+    except (NotPlainKV, VLLMStartError, FileNotFoundError, ValueError, Unauthenticated) as exc:
+        console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
         raise typer.Exit(1)
 
 

@@ -1,4 +1,4 @@
-"""``nectar serve-vllm RUN_DIR…``: export each run's plain-KV state and serve it through vLLM.
+"""``nectar serve RUN_DIR… --engine vllm``: export each run's plain-KV state and serve it through vLLM.
 
 One vLLM server for the runs' shared base model; each run's document is a state the NECTAR KV
 connector writes into its requests' first m cache slots (``nectar.serving.vllm_connector``). Every
@@ -31,6 +31,8 @@ class VLLMOptions:
     served_name: str | None = None
     source: str | None = None  # None: the trained module if plain KV, else attention_matching_kv
     max_logprobs: int = 20
+    max_num_seqs: int | None = None  # vLLM's running batch (``nectar serve --max-batch``)
+    api_keys: tuple[str, ...] = ()  # at most one (VLLM_API_KEY)
 
 
 def model_path(name: str) -> str:
@@ -72,20 +74,23 @@ def prepare(run_dirs: list[str], opts: VLLMOptions, log=print):
     name = opts.served_name or "nectar-" + states[0][1].base_model.split("/")[-1].replace(":", "-")
     cmd = server_command(path, docs, pid, port, served_name=name, dtype=opts.dtype,
                          max_model_len=opts.max_model_len, chat_template_path=template, host=opts.host,
-                         enforce_eager=opts.enforce_eager, max_logprobs=opts.max_logprobs)
-    return cmd, server_env(opts.kv_cache_gib), os.path.join(out_dir, "server.log"), docs, port, name, pid
+                         enforce_eager=opts.enforce_eager, max_logprobs=opts.max_logprobs,
+                         max_num_seqs=opts.max_num_seqs)
+    env = server_env(opts.kv_cache_gib, opts.api_keys)
+    return cmd, env, os.path.join(out_dir, "server.log"), docs, port, name, pid
 
 
 def serve_vllm(run_dirs: list[str], opts: VLLMOptions, log=print) -> None:
+    """Run vLLM until SIGTERM/SIGINT (or until it exits: an error), then stop its whole process group."""
     cmd, env, log_path, docs, port, name, pid = prepare(run_dirs, opts, log)
-    server = VLLMServer(cmd, env, log_path, port, opts.host)
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM):  # before vLLM starts: a signal never orphans it
         signal.signal(sig, lambda *_: stop.set())
+    server = VLLMServer(cmd, env, log_path, port, opts.host)
     try:
-        log(f"starting vLLM (log {log_path}) …")
+        log(f"starting vLLM, pid {server.proc.pid} (its own process group; log {log_path}) …")
         server.wait_healthy()
-        log(f"serving {server.url}/v1 model={name!r}")
+        log(f"serving {len(docs)} document(s) on {server.url}/v1 model={name!r} (vLLM pid {server.proc.pid})")
         for d in docs:
             log(f"  document {d.doc_id}: m={d.m} pseudo-tokens; send cache_salt={d.doc_id!r} "
                 f"(chat: chat_template_kwargs={{'document': {d.doc_id!r}}})")

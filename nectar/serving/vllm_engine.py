@@ -86,7 +86,8 @@ def chat_template(layout: PromptLayout, docs: list[ServedDocument], placeholder_
 def server_command(model_path: str, docs: list[ServedDocument], placeholder_id: int, port: int, *,
                    served_name: str, dtype: str = "bfloat16", max_model_len: int = 4096,
                    chat_template_path: str | None = None, host: str = "127.0.0.1",
-                   enforce_eager: bool = False, max_logprobs: int = 20) -> list[str]:
+                   enforce_eager: bool = False, max_logprobs: int = 20, max_num_seqs: int | None = None,
+                   max_num_batched_tokens: int | None = None) -> list[str]:
     states = {d.doc_id: d.state_path for d in docs}
     kv = {"kv_connector": CONNECTOR, "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": "kv_consumer",
           "kv_connector_extra_config": {"states": states, "placeholder_id": placeholder_id}}
@@ -98,14 +99,35 @@ def server_command(model_path: str, docs: list[ServedDocument], placeholder_id: 
         cmd += ["--chat-template", chat_template_path]
     if enforce_eager:
         cmd += ["--enforce-eager"]
+    if max_num_seqs:
+        cmd += ["--max-num-seqs", str(max_num_seqs)]
+    if max_num_batched_tokens:
+        cmd += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
     return cmd
 
 
-def server_env(kv_cache_gib: int = 2) -> dict[str, str]:
+def server_env(kv_cache_gib: int = 2, api_keys: tuple[str, ...] = (), cpu_bind: str | None = None) -> dict[str, str]:
+    """vLLM's environment. API keys travel in the environment, not the command line (``ps`` shows that):
+    vLLM reads one key from VLLM_API_KEY, so several keys are refused here (a proxy can map them).
+
+    CPU threads: vLLM's automatic binding reserves one core for its scheduler process and, whenever a
+    KV connector is configured, one more (sized for NIXL's transfer thread). The NECTAR connector
+    loads synchronously inside the forward and needs none, so the reservation is pinned to one core:
+    the state server then gets the same OpenMP threads as plain vLLM on the same machine.
+    ``cpu_bind`` (VLLM_CPU_OMP_THREADS_BIND, e.g. ``0-1``) binds explicitly instead."""
+    if len(api_keys) > 1:
+        raise VLLMStartError(f"--engine vllm takes one API key ({len(api_keys)} given): vLLM reads a single "
+                             "VLLM_API_KEY; give one key, or put a proxy that checks several in front")
     env = dict(os.environ)
     env["PYTHONPATH"] = REPO_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
     env.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+    env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+    if cpu_bind:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind
+    env.pop("VLLM_API_KEY", None)
+    if api_keys:
+        env["VLLM_API_KEY"] = api_keys[0]
     return env
 
 

@@ -1,4 +1,4 @@
-"""Export a run's document state for vLLM (``nectar serve-vllm``): the trained module when it is plain
+"""Export a run's document state for vLLM (``nectar serve --engine vllm``): the trained module when it is plain
 KV already (bias-free quadrature, one count per layer), else the β-free refit
 ``attention_matching_kv`` at the run's budget ρ (closed form, seconds). The file is written beside the
 run's stages in ``<run>/vllm/`` (``state.v1.safetensors`` + ``state.json`` with its sha256) and reused
