@@ -30,7 +30,8 @@ run: setup
 	$(BIN)/nectar run pydoc:naming --preset cpu
 
 # The same document with self-study through a managed vLLM server and six samples per prompt
-# (infra/cpu-vllm.yaml); not the default until it is measured faster than the local loop here.
+# (infra/cpu-vllm.yaml): 96 train pairs instead of 19 in 926 s (compiled) vs the local loop's 1,058 s;
+# not the default yet: eager it was 18 % slower at equal load, a margin the load moves (docs/benchmarks.md).
 run-vllm: vllm
 	$(BIN)/nectar run pydoc:naming --preset cpu --config infra/cpu-vllm.yaml
 

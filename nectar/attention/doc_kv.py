@@ -13,6 +13,7 @@ import fsspec
 import torch
 from safetensors.torch import load as st_load
 
+from ..cache_call import cache_kwargs
 from ..integrity import write_stable_safetensors
 from ..base_model import BaseLM
 from ..storage import atomic_write
@@ -52,7 +53,7 @@ def prefill_document(base: BaseLM, context_ids, chunk_tokens: int = 2048, start:
         cache = DynamicCache(config=base.model.config)
     for s in range(done, ids.shape[1], chunk_tokens):
         # logits_to_keep=1: the LM head over every document token would be thrown away.
-        base.model(input_ids=ids[:, s:s + chunk_tokens], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        base.model(input_ids=ids[:, s:s + chunk_tokens], **cache_kwargs(base.model, cache), use_cache=True, logits_to_keep=1)
     keys = [layer.keys[0].contiguous() for layer in cache.layers]  # [hkv, n, d]
     values = [layer.values[0].contiguous() for layer in cache.layers]
     return DocKV(keys, values)

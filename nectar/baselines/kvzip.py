@@ -28,8 +28,11 @@ from ..attention.interface import nectar_attention
 from ..attention.state import AttnState
 from ..layout import PromptLayout
 from ..base_model import BaseLM
+from ..modules.budget import ragged_beta_bits
 from ..modules.builder import ModulePlan, NectarModule, build_module
 from ..modules.provider import group_queries
+from ..modules.stored import quantize_module_
+from ..quantization import fake_quantize
 from ..targets.capture import pack
 from .attention_matching import fit_log_mass, fit_values
 from .selection import attention_probs
@@ -149,12 +152,13 @@ def template_mask(layout: PromptLayout, document: str) -> torch.Tensor:
     return mask
 
 
-def allocate(scores: torch.Tensor, plan: ModulePlan, per_pair: int, mode: str,
+def allocate(scores: torch.Tensor, plan: ModulePlan, pair_bytes: int, mode: str,
              anchors: torch.Tensor) -> list[list[torch.Tensor]]:
     """Kept key indices per (layer, KV head) (document order) within the plan's total budget.
 
-    scores [L, H, n]; ``per_pair`` parameters per kept key (2d, or 2d + 1 with β). The total is
-    H·ΣP_ℓ parameters, as every other system at this ρ; ``layer``/``head`` split it as the plan does."""
+    scores [L, H, n]; ``pair_bytes`` stored bytes per kept key (``budget.ragged_pair_bytes``: 4·2d
+    float32, or 4·(2d + 1) with β; fewer at int8/int4, so more keys). The total is the plan's bytes,
+    4·H·ΣP_ℓ, as every other system at this ρ; ``layer``/``head`` split it as the plan does."""
     L, H, n = scores.shape
     s = scores.clone().float()
     s[:, :, anchors] = float("inf")  # anchors first
@@ -162,19 +166,46 @@ def allocate(scores: torch.Tensor, plan: ModulePlan, per_pair: int, mode: str,
     s.scatter_(-1, best.unsqueeze(-1), float("inf"))
     keep = torch.zeros(L, H, n, dtype=torch.bool)
     if mode == "global":
-        total = H * sum(plan.budgets) // per_pair
+        total = 4 * H * sum(plan.budgets) // pair_bytes
         _keep_top(keep.view(-1), s.view(-1), total, "the whole state")
     elif mode == "layer":
         for layer in range(L):
-            _keep_top(keep[layer].view(-1), s[layer].reshape(-1), H * plan.budgets[layer] // per_pair,
+            _keep_top(keep[layer].view(-1), s[layer].reshape(-1), 4 * H * plan.budgets[layer] // pair_bytes,
                       f"layer {layer}")
     elif mode == "head":
         for layer in range(L):
             for h in range(H):
-                _keep_top(keep[layer, h], s[layer, h], plan.budgets[layer] // per_pair, f"layer {layer} head {h}")
+                _keep_top(keep[layer, h], s[layer, h], 4 * plan.budgets[layer] // pair_bytes, f"layer {layer} head {h}")
     else:
         raise ValueError(f"unknown budget mode {mode!r}; use global, layer or head")
     return [[keep[layer, h].nonzero().squeeze(1) for h in range(H)] for layer in range(L)]
+
+
+def combined_scores(recon: torch.Tensor, train: torch.Tensor, keys: int) -> torch.Tensor:
+    """max(recon / t_r, train / t_t) [L, H, n], each score divided by its own value at the ``keys``-th
+    rank (what alone would just make the budget's cut), so 1 means "kept by this ranking on its own":
+    neither the reconstruction queries' whole-softmax probabilities nor the train queries' document
+    probabilities (larger: their softmax leaves out the query's own tokens) swamp the other."""
+    def at_cut(x: torch.Tensor) -> torch.Tensor:
+        k = max(1, min(keys, x.numel()))
+        return torch.topk(x.reshape(-1).float(), k).values[-1].clamp_min(1e-30)
+    return torch.maximum(recon.float() / at_cut(recon), train.float() / at_cut(train))
+
+
+@torch.no_grad()
+def train_scores(data, keys: list[torch.Tensor], scaling: float, aggregate: str = "max") -> torch.Tensor:
+    """[L, Hkv, n]: every document key's attention probability under the train queries (``data``:
+    q [T, L, Hq, d], alpha [T, L, Hq]), max (or mean) over the queries and the GQA group."""
+    L = len(keys)
+    hkv = keys[0].shape[0]
+    out = torch.zeros(L, hkv, keys[0].shape[1])
+    for layer in range(L):
+        q = group_queries(data.q[:, layer].float(), hkv)  # [T·g, Hkv, d]
+        alpha = group_queries(data.alpha[:, layer].float().unsqueeze(-1), hkv).squeeze(-1)  # [T·g, Hkv]
+        for h in range(hkv):
+            probs = attention_probs(q[:, h], alpha[:, h], keys[layer][h].float().cpu(), scaling)  # [T·g, n]
+            out[layer, h] = probs.amax(0) if aggregate == "max" else probs.mean(0)
+    return out
 
 
 def _keep_top(keep: torch.Tensor, scores: torch.Tensor, k: int, where: str) -> None:
@@ -194,11 +225,25 @@ def selection_plan(plan: ModulePlan, kept: list[list[torch.Tensor]], fit: bool) 
 
 
 @torch.no_grad()
-def build_selected(plan: ModulePlan, kept: list[list[torch.Tensor]], doc_kv, queries=None) -> NectarModule:
+def build_selected(plan: ModulePlan, kept: list[list[torch.Tensor]], doc_kv, queries=None,
+                   quant_aware: bool = True) -> NectarModule:
     """The module of the kept keys: exact KV (β = 0), or with fitted β and values when ``queries``
-    (an object with q [T, L, Hq, d], alpha [T, L, Hq], A [T, L, Hq, d]) are given."""
+    (an object with q [T, L, Hq, d], alpha [T, L, Hq], A [T, L, Hq, d]) are given.
+
+    At ``plan.bits`` < 32 the pairs are stored quantized (modules/stored.py: keys and values as codes,
+    β as bf16). ``quant_aware``: β is fitted to the masses of the keys as stored and the values to
+    those keys and the stored β (Attention Matching's fit, aware of the rounding); otherwise fitted in
+    float and rounded after. The module returned holds the stored values either way."""
     module = build_module(plan)
-    hkv = plan.num_kv_heads
+    hkv, bits, group = plan.num_kv_heads, plan.bits, plan.quant_group
+    aware = quant_aware and bits < 32
+
+    def rows(x: torch.Tensor) -> torch.Tensor:  # [c, d] as stored (each row quantized along d)
+        return fake_quantize(x, bits, group) if aware else x
+
+    def log_mass(beta: torch.Tensor) -> torch.Tensor:  # β as stored
+        return fake_quantize(beta.float(), ragged_beta_bits(bits)) if aware else beta
+
     for layer, net in enumerate(module.layers):
         p = plan.quad_pairs[layer]
         keys = doc_kv.keys[layer].detach().float().cpu()  # [Hkv, n, d]
@@ -212,12 +257,12 @@ def build_selected(plan: ModulePlan, kept: list[list[torch.Tensor]], doc_kv, que
             A = group_queries(queries.A[:, layer].float(), hkv)  # [T·g, Hkv, d]
         for h, idx in enumerate(kept[layer]):
             c = idx.numel()
-            W[h, :c], Z[h, :c], B[h, :c] = keys[h, idx], values[h, idx], 0.0
+            Wh = rows(keys[h, idx])  # [c, d]
+            W[h, :c], Z[h, :c], B[h, :c] = Wh, values[h, idx], 0.0
             if queries is not None:
-                mass = attention_probs(q[:, h], alpha[:, h], keys[h], plan.scaling)[:, idx]  # [T·g, c]
-                beta = fit_log_mass(mass)
+                mass = attention_probs(q[:, h], alpha[:, h], Wh, plan.scaling)  # [T·g, c]
+                beta = log_mass(fit_log_mass(mass))
                 Z[h, :c] = fit_values(mass, beta, A[:, h], values[h, idx]).float()
                 B[h, :c] = beta.float()
         net.set_pairs(W, Z, B)
-    return module.eval()
-
+    return quantize_module_(module).eval()  # real pairs onto the stored grid (no-op at 32 bits)

@@ -11,24 +11,35 @@ import torch
 
 from ..base_model import BaseLM
 from ..layout import PromptLayout
+from ..modules.budget import ragged_pair_bytes
 from ..modules.builder import ModulePlan
 from ..schemas.config import SelectionConfig
 from .init import MAX_FIT_TOKENS, QueryTargets, training_queries
 from .interface import Baseline, FitInputs, FittedBaseline
-from .kvzip import allocate, anchor_mask, build_selected, recon_capture, selection_plan, template_mask
+from .kvzip import (allocate, anchor_mask, build_selected, combined_scores, recon_capture, selection_plan,
+                    template_mask, train_scores)
 
 
 def fit_kvzip(base: BaseLM, layout: PromptLayout, document: str, doc_kv, targets,
               plan: ModulePlan, select: SelectionConfig, spans: list[tuple[str, str]],
               seed: int = 0) -> FittedBaseline:
-    """KVzip-style selection (and the closed-form fit) in the budget of ``plan``: reconstruct the
-    document's ``spans`` ((instruction, response), nectar/stages/recon.py) against its exact KV,
-    keep the best keys, fit β and values (nectar/baselines/kvzip.py). ``targets``: the targets (a
-    URL or an open ``TargetsData``) whose train queries join the fit (``fit_queries``), or None."""
+    """KVzip-style selection (and the closed-form fit) in the bytes of ``plan``, stored at
+    ``plan.bits``: reconstruct the document's ``spans`` ((instruction, response),
+    nectar/stages/recon.py) against its exact KV, keep the best keys (as many as the bytes buy at
+    that precision), fit β and values (nectar/baselines/kvzip.py). ``targets``: the targets (a URL or
+    an open ``TargetsData``) whose train queries join the ranking (``score_queries``) and the fit
+    (``fit_queries``), or None."""
     cap = recon_capture(base, layout, doc_kv, spans, select.aggregate)
     template = template_mask(layout, document) if select.template_tokens else None
-    per_pair = 2 * plan.head_dim + (1 if select.fit else 0)
-    kept = allocate(cap.scores, plan, per_pair, select.budget, anchor_mask(layout.n, select.sink_tokens, template))
+    pair_bytes = ragged_pair_bytes(plan.head_dim, select.fit, plan.bits, plan.quant_group)
+    uses_train = targets is not None and ((select.fit and "train" in select.fit_queries)
+                                          or "train" in select.score_queries)
+    train = training_queries(targets, seed) if uses_train else None
+    scores = cap.scores
+    if select.score_queries == "recon+train" and train is not None:
+        cut = 4 * plan.num_kv_heads * sum(plan.budgets) // pair_bytes
+        scores = combined_scores(cap.scores, train_scores(train, doc_kv.keys, plan.scaling, select.aggregate), cut)
+    kept = allocate(scores, plan, pair_bytes, select.budget, anchor_mask(layout.n, select.sink_tokens, template))
     qplan = selection_plan(plan, kept, select.fit)
     queries = None
     if select.fit:
@@ -37,15 +48,17 @@ def fit_kvzip(base: BaseLM, layout: PromptLayout, document: str, doc_kv, targets
             keep = torch.from_numpy(np.sort(np.random.default_rng(seed).choice(len(queries.q), MAX_FIT_TOKENS,
                                                                                replace=False)))
             queries = QueryTargets(queries.q[keep], queries.alpha[keep], queries.A[keep])
-        if select.fit_queries == "recon+train" and targets is not None:
-            train = training_queries(targets, seed)
+        if select.fit_queries == "recon+train" and train is not None:
             queries = QueryTargets(torch.cat([queries.q, train.q.float()]), torch.cat([queries.alpha, train.alpha.float()]),
                                    torch.cat([queries.A, train.A.float()]))
-    module = build_selected(qplan, kept, doc_kv, queries)
-    return FittedBaseline("kvzip", module, qplan, scores=cap.scores)  # scores [L, Hkv, n]: what the allocation ranked
+    module = build_selected(qplan, kept, doc_kv, queries, select.quant_aware)
+    return FittedBaseline("kvzip", module, qplan, scores=scores)  # scores [L, Hkv, n]: what the allocation ranked
 
 
 class KVzip(Baseline):
+    """Its real pairs stored at ``FitInputs.bits`` (float32, or int8/int4 codes with β bf16): as many
+    as the module plan's bytes buy at that precision."""
+
     name = "kvzip"
     reads_document = True
 

@@ -77,6 +77,9 @@ for _s in (
            regime="cartridges"),
     System("matching", "trained", "quadrature + log-mass bias initialised by Attention Matching, refined by "
            "regression on the captured targets", regime="matching"),
+    System("kvzip", "trained", "the train stage's kvzip state: kvzip_fit@int4 made by the pipeline (regime kvzip: "
+           "reconstruction-selected keys, quantization-aware fit, int4, no gradient steps)", regime="kvzip",
+           default=False),
     System("truncate", "baseline", "exact KV of a ρ·n-token part of the document", baseline="truncate"),
     System("evict", "baseline", "exact KV of the ρ·n most-attended tokens per KV head", baseline="evict"),
     System("attention_matching", "baseline", "the evicted keys with fitted log-mass biases and "
@@ -101,6 +104,11 @@ for _s in (
            baseline="kvzip", options={"fit": True, "sink_tokens": 0}, default=False),
     System("kvzip_fit_template", "baseline", "kvzip_fit keeping every chat-template token exact",
            baseline="kvzip", options={"fit": True, "template_tokens": True}, default=False),
+    # the selection lever for the QA pairs: keys ranked by the max of the reconstruction and the train
+    # queries' scores (each normalised at the budget's cut), fitted on both
+    System("kvzip_fit_qa", "baseline", "kvzip_fit ranking keys by reconstruction AND train queries (max of the "
+           "two scores, each divided by its value at the budget's cut)", baseline="kvzip",
+           options={"fit": True, "score_queries": "recon+train"}, default=False),
     # kvzip_fit's state refined through the train stage (init "kvzip"): by the regression loss on the
     # captured targets (matching's refinement), or end to end by the KL to the teacher through the
     # frozen model (every stored key, β and value trained), on the train pairs.
@@ -129,6 +137,21 @@ for _bits in (8, 4):
     register(System(f"matching@int{_bits}", "trained", f"matching with as many pairs as int{_bits} storage buys "
                     "in the bytes, trained in float, stored and served at int{_bits}".replace("{_bits}", str(_bits)),
                     regime="matching", overlay={"train": {"module": {"bits": _bits}}}, default=False))
+
+
+# KVzip-style states stored quantized: as many pairs as the bytes buy (keys, values as codes, β bf16),
+# fitted to the keys and β as stored (``_float``: fitted in float, then rounded).
+for _bits in (8, 4):
+    for _name, _opts, _default in (("kvzip_fit", {"fit": True}, True),
+                                   ("kvzip_select", {"fit": False}, False),
+                                   ("kvzip_fit_qa", {"fit": True, "score_queries": "recon+train"}, _bits == 4),
+                                   ("kvzip_fit_float", {"fit": True, "quant_aware": False}, False)):
+        _desc = SYSTEMS["kvzip_fit" if _name == "kvzip_fit_float" else _name].description
+        if _name == "kvzip_fit_float":
+            _desc += " (fitted in float, then rounded)"
+        register(System(f"{_name}@int{_bits}", "baseline", f"{_desc}, stored at int{_bits} (fp16 scale and zero "
+                        "per 64 values, β bf16), as many pairs as the bytes buy", baseline="kvzip", bits=_bits,
+                        options=_opts, default=_default))
 
 
 def baselines_available() -> bool:

@@ -27,11 +27,14 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import importlib.util
 import json
 import sys
 import time
 from pathlib import Path
+
+CACHE_CALL_PY = Path(__file__).resolve().parents[1] / "cache_call.py"
 
 # name → (kvpress class, constructor kwargs besides compression_ratio, wrapper class or None, description)
 PRESSES: dict[str, tuple[str, dict, str | None, str]] = {
@@ -66,15 +69,28 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def load_quantization(path: str | None):
-    """nectar/quantization.py, by path (torch-only), or None when no quantized job is asked for."""
-    if not path:
-        return None
-    spec = importlib.util.spec_from_file_location("nectar_quantization", path)
+def load_by_path(name: str, path: str | Path):
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # its dataclasses look their module up while being defined
     spec.loader.exec_module(mod)
     return mod
+
+
+def load_quantization(path: str | None):
+    """nectar/quantization.py, by path (torch-only), or None when no quantized job is asked for."""
+    return load_by_path("nectar_quantization", path) if path else None
+
+
+@functools.cache
+def _cache_call():
+    return load_by_path("nectar_cache_call", CACHE_CALL_PY)
+
+
+def cache_kwargs(module, cache) -> dict:
+    """nectar/cache_call.py's ``cache_kwargs`` (dependency-free, beside this file's package): the
+    cache argument's name this transformers declares (``past_key_values`` in kvpress's pin)."""
+    return _cache_call().cache_kwargs(module, cache)
 
 
 def exact_head_masks() -> None:
@@ -130,7 +146,7 @@ def prefill(model, doc_ids, press=None):
 
     cache = DynamicCache()
     with press(model) if press is not None else contextlib.nullcontext():
-        model.model(input_ids=doc_ids, past_key_values=cache)
+        model.model(input_ids=doc_ids, **cache_kwargs(model.model, cache))
     return cache
 
 
@@ -165,7 +181,7 @@ def pair_sums(model, cache, doc_len: int, pair: dict, ref, row0: int):
     ids = torch.tensor([pair["ids"]], dtype=torch.long)  # [1, m]
     m, rs = ids.shape[1], pair["response_start"]
     positions = torch.arange(doc_len, doc_len + m).unsqueeze(0)  # [1, m]
-    out = model(input_ids=ids, past_key_values=copy.deepcopy(cache), position_ids=positions, use_cache=True)
+    out = model(input_ids=ids, **cache_kwargs(model, copy.deepcopy(cache)), position_ids=positions, use_cache=True)
     rows = torch.arange(rs - 1, m - 1)  # logits row t predicts response token t + 1
     lp = torch.log_softmax(out.logits[0, rows].float(), dim=-1)  # [k, V]
     tgt = ids[0, rows + 1]  # [k]

@@ -160,6 +160,21 @@ def quadrature_head_bytes(pairs: int, head_dim: int, bias: bool, bits: int, grou
     return wz + (quantized_nbytes((pairs,), storage_bits((pairs,), bits, group), group) if bias else 0)
 
 
+def ragged_beta_bits(bits: int) -> int:
+    """Storage bits of the β of a state whose heads differ in width (KVzip-style selection): float32 at
+    32, bf16 below. β is one value a pair against 2d for (W, Z), so bf16 costs ~2 % of an int4 pair,
+    while an int4 step over a log-mass range of ~30 (β down to log 1e-12) would scale masses by e."""
+    return 32 if bits == 32 else 16
+
+
+def ragged_pair_bytes(head_dim: int, bias_stored: bool, bits: int = 32, group: int = 64) -> int:
+    """Stored bytes of one real pair of a state whose heads differ in width: its W and Z rows (each
+    quantized along d on its own) and, when stored, its β (``ragged_beta_bits``). Exact: such a state
+    stores every layer's real rows back to back (modules/stored.py), so its bytes are pairs × this."""
+    row = quantized_nbytes((1, head_dim), storage_bits((1, head_dim), bits, group), group)
+    return 2 * row + (ragged_beta_bits(bits) // 8 if bias_stored else 0)
+
+
 def pairs_in_bytes(nbytes: float, head_dim: int, bias: bool, bits: int = 32, group: int = 64) -> int:
     """Most pairs (W, Z[, β]) of one head whose stored bytes fit ``nbytes`` (0 if not even one)."""
     per_pair = quadrature_head_bytes(1, head_dim, False, bits, group) + (bits / 8 if bias else 0)

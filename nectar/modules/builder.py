@@ -134,9 +134,13 @@ class NectarModule(nn.Module):
     """
 
     def __init__(self, layers: list[nn.Module], num_kv_heads: int, head_dim: int, scaling: float,
-                 closed_form: bool, bits: int = 32, quant_group: int = 64):
+                 closed_form: bool, bits: int = 32, quant_group: int = 64,
+                 head_pairs: tuple[tuple[int, ...], ...] = (), bias_stored: bool = True):
         super().__init__()
         self.bits, self.quant_group = bits, quant_group  # storage precision of the parameters (modules/stored.py)
+        # quadrature heads of different widths (ModulePlan.quad_head_pairs): each head's real pairs; the
+        # slots past them are masked (β = −inf) and neither stored nor counted (modules/stored.py)
+        self.head_pairs, self.bias_stored = tuple(tuple(h) for h in head_pairs), bias_stored
         self.layers = nn.ModuleList(layers)
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -191,7 +195,8 @@ def build_module(plan: ModulePlan, doc_keys: list[torch.Tensor] | None = None,
         else:
             layers.append(LayerMLP(plan.num_kv_heads, plan.mlp_shapes(i), plan.residual, gen))
     return NectarModule(layers, plan.num_kv_heads, plan.head_dim, plan.scaling,
-                        closed_form=plan.arch == "quadrature", bits=plan.bits, quant_group=plan.quant_group)
+                        closed_form=plan.arch == "quadrature", bits=plan.bits, quant_group=plan.quant_group,
+                        head_pairs=plan.quad_head_pairs, bias_stored=plan.quad_bias_stored)
 
 
 def plan_from_config(cfg: ModuleConfig, num_layers: int, num_kv_heads: int, head_dim: int,

@@ -41,6 +41,7 @@ from .budget import SkipMLPShape
 from .builder import NectarModule
 from .mlp import LayerMLP
 from .quadrature import LayerQuadrature
+from .stored import padded, ragged
 
 
 @dataclass
@@ -193,10 +194,18 @@ class FusedLayerQuadrature:
     codes with fp16 scales and zeros (nectar/quantization.py) and are dequantized at every call, so
     the layer holds the stored bytes, not a float copy."""
 
-    def __init__(self, layer: LayerQuadrature, dtype: torch.dtype, bits: int = 32, group: int = 64):
+    def __init__(self, layer: LayerQuadrature, dtype: torch.dtype, bits: int = 32, group: int = 64,
+                 counts: tuple[int, ...] = (), bias_stored: bool = True):
         self.dtype, self.scaling = dtype, layer.scaling
         beta = layer.beta.detach().float() if layer.beta is not None else None
         self.packed: tuple[Stored, Stored, Stored | None] | None = None
+        self.counts, self.width = tuple(counts), layer.W.shape[1]  # heads of different widths: real pairs each
+        if bits < 32 and self.counts:  # only the real pairs, as stored (modules/stored.py): β at bf16
+            self.packed = (_stored(ragged(layer.W.detach().float(), self.counts), bits, group),
+                           _stored(ragged(layer.Z.detach().float(), self.counts), bits, group),
+                           ragged(beta, self.counts).to(torch.bfloat16) if beta is not None and bias_stored else None)
+            self.Wt = self.Z = self.beta = self._zero_beta = None
+            return
         if bits < 32:
             self.packed = (_stored(layer.W.detach().float(), bits, group), _stored(layer.Z.detach().float(), bits, group),
                            _stored(beta, bits, group) if beta is not None else None)
@@ -221,6 +230,12 @@ class FusedLayerQuadrature:
         if self.packed is None:
             return self.Wt, self.Z, self.beta
         qW, qZ, qb = self.packed
+        if self.counts:  # real pairs back to back → [H, width, ·], masked slots W = Z = 0, β = −inf
+            W = padded(_values(qW), self.counts, self.width, 0.0)
+            real = qb.float() if qb is not None else torch.zeros(sum(self.counts), device=W.device)
+            beta = padded(real, self.counts, self.width, float("-inf")).unsqueeze(1)  # [H, 1, p]
+            Wt = (W * self.scaling).transpose(1, 2).to(self.dtype)  # [H, d, p]
+            return Wt, padded(_values(qZ), self.counts, self.width, 0.0).to(self.dtype), beta
         Wt = (_values(qW) * self.scaling).transpose(1, 2).to(self.dtype)  # [H, d, p]
         beta = _values(qb).unsqueeze(1) if qb is not None else self._zero_beta  # [H, 1, p]
         return Wt, _values(qZ).to(self.dtype), beta
@@ -280,7 +295,9 @@ def fuse_module(module: NectarModule, dtype: torch.dtype | None = None,
     layers = []
     for i, layer in enumerate(module.layers):
         if isinstance(layer, LayerQuadrature):
-            layers.append(FusedLayerQuadrature(layer, dtype, module.bits, module.quant_group).to(device))
+            counts = module.head_pairs[i] if module.head_pairs else ()
+            layers.append(FusedLayerQuadrature(layer, dtype, module.bits, module.quant_group, counts,
+                                               module.bias_stored).to(device))
         else:
             norm = {name: getattr(module, name)[i].detach().float() for name in
                     ("q_mean", "q_std", "alpha_mean", "alpha_std", "A_mean", "A_std")}

@@ -9,15 +9,114 @@ the comparison reports and the budget is set by, equal to the sum of ``stored_te
 
 A closed-form (quadrature) module never reads the normalisation buffers, so they are not stored for it
 (at 1 % of a SmolLM2 document's KV they would be 7 % of the bytes); files that hold them still load.
+
+A quadrature module whose heads differ in width (``module.head_pairs``, KVzip-style selection) stores
+each layer's REAL pairs back to back — ``layers.ℓ.W`` / ``.Z`` as [Σ_h c_h, d] rows (codes at ``bits``
+< 32, each row quantized along d on its own), ``layers.ℓ.beta`` as [Σ_h c_h] (float32, or bf16 below 32
+bits: ``budget.ragged_beta_bits``; left out when β only masks, ``bias_stored`` False) — so the masked
+slots that pad a layer to its widest head cost nothing, and loading puts them back (W = Z = 0,
+β = −inf). Its bytes are pairs × ``budget.ragged_pair_bytes``.
 """
 from __future__ import annotations
 
 import torch
 
 from ..quantization import QuantizedTensor, dequantize, fake_quantize, quantize, quantized_nbytes, storage_bits
+from .budget import ragged_beta_bits
 from .builder import ModulePlan, NectarModule
 
 SUFFIXES = (".codes", ".scales", ".zeros")
+
+
+# ----- heads of different widths: the real pairs of each layer, back to back -----
+
+def is_ragged(module: NectarModule) -> bool:
+    return bool(module.head_pairs)
+
+
+def ragged(x: torch.Tensor, counts: tuple[int, ...]) -> torch.Tensor:
+    """[H, p, ...] → [Σ_h c_h, ...]: each head's first c_h slots (its real pairs), head after head."""
+    return torch.cat([x[h, :c] for h, c in enumerate(counts)])
+
+
+def padded(rows: torch.Tensor, counts: tuple[int, ...], width: int, fill: float) -> torch.Tensor:
+    """Inverse of ``ragged``: [Σ c_h, ...] → [H, width, ...], the slots past c_h set to ``fill``."""
+    out = rows.new_full((len(counts), width, *rows.shape[1:]), fill)
+    start = 0
+    for h, c in enumerate(counts):
+        out[h, :c] = rows[start:start + c]
+        start += c
+    return out
+
+
+def _ragged_float(module: NectarModule) -> dict[str, torch.Tensor]:
+    """The real pairs of every layer as float32 tensors, named as the module's parameters."""
+    out = {}
+    for i, (layer, counts) in enumerate(zip(module.layers, module.head_pairs)):
+        out[f"layers.{i}.W"] = ragged(layer.W.detach().float().cpu(), counts)  # [Σc, d]
+        out[f"layers.{i}.Z"] = ragged(layer.Z.detach().float().cpu(), counts)  # [Σc, d]
+        if layer.beta is not None and module.bias_stored:
+            out[f"layers.{i}.beta"] = ragged(layer.beta.detach().float().cpu(), counts)  # [Σc]
+    return out
+
+
+def _ragged_bits(module: NectarModule, name: str, shape) -> int:
+    if name.endswith(".beta"):
+        return ragged_beta_bits(module.bits)
+    return storage_bits(shape, module.bits, module.quant_group) if is_quantized(module) else 32
+
+
+def _round_ragged(x: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+    return x.to(torch.bfloat16).float() if bits == 16 else fake_quantize(x, bits, group)
+
+
+def _ragged_stored(module: NectarModule) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, t in _ragged_float(module).items():
+        bits = _ragged_bits(module, name, t.shape)
+        if bits == 16:
+            out[name] = t.to(torch.bfloat16)
+        elif bits < 32:
+            q = quantize(t, bits, module.quant_group)
+            out.update({name + ".codes": q.codes, name + ".scales": q.scales, name + ".zeros": q.zeros})
+        else:
+            out[name] = t
+    return out
+
+
+def _ragged_nbytes(module: NectarModule) -> int:
+    total = 0
+    d = module.head_dim
+    for i, (layer, counts) in enumerate(zip(module.layers, module.head_pairs)):
+        rows = sum(counts)
+        for name in ("W", "Z"):
+            total += quantized_nbytes((rows, d), _ragged_bits(module, f"layers.{i}.{name}", (rows, d)),
+                                      module.quant_group)
+        if layer.beta is not None and module.bias_stored:
+            total += rows * ragged_beta_bits(module.bits) // 8
+    return total
+
+
+@torch.no_grad()
+def _load_ragged(module: NectarModule, tensors: dict[str, torch.Tensor]) -> None:
+    for i, (layer, counts) in enumerate(zip(module.layers, module.head_pairs)):
+        p, d = layer.W.shape[1:]
+        parts = {}
+        for name, shape in (("W", (sum(counts), d)), ("Z", (sum(counts), d)), ("beta", (sum(counts),))):
+            key = f"layers.{i}.{name}"
+            if key + ".codes" in tensors:
+                parts[name] = dequantize(QuantizedTensor(tensors[key + ".codes"], tensors[key + ".scales"],
+                                                         tensors[key + ".zeros"], module.bits, module.quant_group,
+                                                         shape))
+            elif key in tensors:
+                parts[name] = tensors[key].float()
+            elif name != "beta" or (layer.beta is not None and module.bias_stored):
+                raise ValueError(f"stored tensors lack {key} (a {module.bits}-bit state of heads {counts})")
+        layer.W.copy_(padded(parts["W"], counts, p, 0.0))
+        layer.Z.copy_(padded(parts["Z"], counts, p, 0.0))
+        if layer.beta is not None:
+            real = parts.get("beta", torch.zeros(sum(counts)))
+            layer.beta.copy_(padded(real, counts, p, float("-inf")))
 
 
 def is_quantized(module: NectarModule) -> bool:
@@ -40,7 +139,20 @@ def _state(module: NectarModule) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def quantize_module_(module: NectarModule) -> NectarModule:
-    """Round every parameter onto its ``bits`` grid in place (no-op at 32 bits); returns ``module``."""
+    """Round every parameter onto its ``bits`` grid in place (no-op at 32 bits); returns ``module``.
+    Heads of different widths: only the real pairs, as they are stored (β at bf16)."""
+    if is_ragged(module):
+        if is_quantized(module):
+            for i, (layer, counts) in enumerate(zip(module.layers, module.head_pairs)):
+                p = layer.W.shape[1]
+                for name, fill in (("W", 0.0), ("Z", 0.0), ("beta", float("-inf"))):
+                    param = getattr(layer, name)
+                    if param is None or (name == "beta" and not module.bias_stored):
+                        continue
+                    rows = ragged(param.detach().float().cpu(), counts)
+                    rows = _round_ragged(rows, _ragged_bits(module, f"layers.{i}.{name}", rows.shape), module.quant_group)
+                    param.copy_(padded(rows, counts, p, fill).to(param.device, param.dtype))
+        return module
     for name, p in module.named_parameters():
         if name in _param_names(module):
             p.copy_(fake_quantize(p.detach().float(), module.bits, module.quant_group))
@@ -56,6 +168,8 @@ def quantized_parameters(module: NectarModule) -> dict[str, QuantizedTensor]:
 
 def stored_tensors(module: NectarModule) -> dict[str, torch.Tensor]:
     """The tensors a module is saved as (its state dict at 32 bits)."""
+    if is_ragged(module):
+        return _ragged_stored(module)
     state = _state(module)
     if not is_quantized(module):
         return state
@@ -67,14 +181,11 @@ def stored_tensors(module: NectarModule) -> dict[str, torch.Tensor]:
 
 def stored_nbytes(module: NectarModule, plan: ModulePlan | None = None) -> int:
     """Bytes of ``stored_tensors(module)``, counted from shapes (no quantization pass). With heads of
-    different widths (``plan.quad_head_pairs``, KVzip-style selection) only each head's real pairs
-    count, not the masked slots that pad a layer to its widest head."""
-    if plan is not None and plan.quad_head_pairs:
-        if is_quantized(module):
-            raise ValueError("heads of different widths (kvzip selection) are stored in float32 only; "
-                             "set train.module.bits=32 with init kvzip")
-        buffers = 0 if module.closed_form else sum(b.numel() * b.element_size() for b in module.buffers())
-        return buffers + plan.stored_params() * module.layers[0].W.element_size()
+    different widths (``module.head_pairs``, KVzip-style selection) only each head's real pairs
+    count, not the masked slots that pad a layer to its widest head. (``plan``: unused, kept for
+    callers that pass it; the module carries its widths.)"""
+    if is_ragged(module):
+        return _ragged_nbytes(module)
     names = _param_names(module)
     total = 0
     for name, t in _state(module).items():
@@ -86,6 +197,10 @@ def stored_nbytes(module: NectarModule, plan: ModulePlan | None = None) -> int:
 @torch.no_grad()
 def load_stored_tensors(module: NectarModule, tensors: dict[str, torch.Tensor]) -> None:
     """Load what ``stored_tensors`` wrote into ``module`` (built from the same plan)."""
+    first = tensors.get("layers.0.W")
+    if is_ragged(module) and not (first is not None and first.shape == module.layers[0].W.shape):
+        _load_ragged(module, tensors)  # (a float32 file saved padded, before real pairs were stored alone,
+        return                         # loads as any state dict below)
     state = dict(module.state_dict())
     if module.closed_form:  # buffers it never reads: stored by older versions, or not at all
         params = {name for name, _ in module.named_parameters()}

@@ -64,12 +64,16 @@ def doc_slot(doc_id: str, timeout_s: float | None = None) -> Iterator[bool]:
         return
     from prefect.client.orchestration import get_client
     from prefect.concurrency.sync import concurrency
+    from prefect.exceptions import ObjectAlreadyExists
 
     name = doc_limit_name(doc_id)
     with get_client(sync_client=True) as client:
         try:
             client.read_global_concurrency_limit_by_name(name)
         except Exception:  # ObjectNotFound: the first run of this document
-            client.upsert_global_concurrency_limit_by_name(name, 1)
+            try:
+                client.upsert_global_concurrency_limit_by_name(name, 1)
+            except ObjectAlreadyExists:
+                pass  # another process's first run of it created the limit between our read and write
     with concurrency(name, occupy=1, timeout_seconds=timeout_s, strict=False):
         yield True

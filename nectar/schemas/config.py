@@ -194,6 +194,12 @@ class SelectionConfig(FrozenConfig):
     fit: bool = True  # closed-form β (NNLS) and values (least squares) on the kept keys
     # queries of the closed-form fit: the reconstruction spans, or those plus the targets' train split
     fit_queries: Literal["recon", "recon+train"] = "recon+train"
+    # queries whose attention ranks the keys: the reconstruction spans alone (KVzip), or also the targets'
+    # train queries — max of the two scores, each divided by its value at the budget's cut (kvzip.py)
+    score_queries: Literal["recon", "recon+train"] = added_setting("recon")
+    # below 32 bits: fit β to the keys as stored and the values to those keys and β as stored (else
+    # fit in float, then round)
+    quant_aware: bool = added_setting(True)
 
 
 class ModuleConfig(FrozenConfig):
@@ -236,6 +242,9 @@ class TrainConfig(FrozenConfig):
     # SmolLM2, which makes any λKL negligible). See docs/configuration.md.
     regression_scale: Literal["mean", "sum"] = "mean"
     samples: int = 1_000_000  # total sample budget (query tokens for regression, pairs for KL)
+    # False: a closed-form quadrature init (attention_matching, evict, kvzip) IS the state — saved
+    # without gradient steps (a quantized kvzip state keeps its quantization-aware fit)
+    refine: bool = added_setting(True)
     # the targets' splits trained on: "train", or "train+recon" with the reconstruction spans
     # (targets.recon.capture must have captured them)
     splits: Literal["train", "train+recon", "recon"] = added_setting("train")

@@ -81,31 +81,40 @@ def fit(targets_url: str, cfg: TrainConfig, base: BaseLM, doc_kv, out_url: str,
     if plan.normalize_targets:
         module.set_normalization(target_statistics(data, h.num_kv_heads, seed=cfg.seed))
     module = module.to(base.device)
-    fingerprint = stable_hash({"train": cfg.cache_dict(), "plan": plan.to_dict(),
-                               "targets": h.model_dump(mode="json"), "data_tokens": int(data.offsets[-1])})
-    trainer = Trainer(module, plan.arch, data, base, cfg, f"{out_url.rstrip('/')}/checkpoints", fingerprint)
-    try:
-        result = trainer.run(progress=progress, stop_after=stop_after)
-    finally:
-        data.close()  # the prefetch thread
-    s = result.state
-    counts = {"steps": s.step, "total_steps": result.schedule.total_steps, "samples": s.samples,
-              "skipped_nonfinite": s.skipped, "resumed_from_step": result.resumed_from,
-              "warmup_steps": result.schedule.warmup_steps, "peak_lr": result.schedule.peak_lr,
-              "train_items": result.schedule.n_items, "stopped_early": result.stopped_early}
-    if result.stopped_early:
-        return module, counts
+    if not cfg.refine:
+        if plan.arch != "quadrature" or cfg.module.init == "first":
+            raise TrainInputError("train.refine=false keeps a closed-form init as the state: set "
+                                  "train.module.arch=quadrature and train.module.init to evict, attention_matching or kvzip")
+        data.close()
+        rows: list[TrainLogRow] = []
+        counts: dict = {"steps": 0, "total_steps": 0, "samples": 0, "refined": False}
+    else:
+        fingerprint = stable_hash({"train": cfg.cache_dict(), "plan": plan.to_dict(),
+                                   "targets": h.model_dump(mode="json"), "data_tokens": int(data.offsets[-1])})
+        trainer = Trainer(module, plan.arch, data, base, cfg, f"{out_url.rstrip('/')}/checkpoints", fingerprint)
+        try:
+            result = trainer.run(progress=progress, stop_after=stop_after)
+        finally:
+            data.close()  # the prefetch thread
+        s = result.state
+        rows = result.rows
+        counts = {"steps": s.step, "total_steps": result.schedule.total_steps, "samples": s.samples,
+                  "skipped_nonfinite": s.skipped, "resumed_from_step": result.resumed_from,
+                  "warmup_steps": result.schedule.warmup_steps, "peak_lr": result.schedule.peak_lr,
+                  "train_items": result.schedule.n_items, "stopped_early": result.stopped_early}
+        if result.stopped_early:
+            return module, counts
     quantize_module_(module)  # trained in float; stored and served on its train.module.bits grid
     info = dist_info()
     spec = make_spec(module.cpu(), plan, base.name, base.weights_hash, h.doc_sha256, h.num_q_heads,
                      normalization={"enabled": plan.normalize_targets, "source": "train split targets"})
     if info.is_main:
         save_module(module, spec, out_url)
-        write_table(f"{out_url.rstrip('/')}/train_log.parquet", result.rows, TrainLogRow)
+        write_table(f"{out_url.rstrip('/')}/train_log.parquet", rows, TrainLogRow)
     barrier(info)
     module.to(base.device)
     counts.update(n_params=spec.n_params, module_bytes=spec.module_bytes, kv_cache_bytes=spec.kv_cache_bytes,
-                  kv_over_module=round(spec.kv_cache_bytes / spec.module_bytes, 2), **_final_metrics(result.rows))
+                  kv_over_module=round(spec.kv_cache_bytes / spec.module_bytes, 2), **_final_metrics(rows))
     return module, counts
 
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from nectar.attention.doc_kv import prefill_document
+from nectar.cache_call import cache_kwargs
 from nectar.attention.engine import DecodeEngine, Request, generate
 from nectar.attention.exact import ExactDocState
 from nectar.attention.interface import nectar_attention
@@ -97,7 +98,7 @@ def _dynamic_cache_greedy(base, provider, n, prompt, new_tokens):
     pos = n + torch.arange(len(prompt)).unsqueeze(0)
     out, seen = [], []
     with torch.no_grad(), nectar_attention(base.model, provider):
-        logits = base.model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True).logits[:, -1]
+        logits = base.model(input_ids=ids, position_ids=pos, **cache_kwargs(base.model, cache), use_cache=True).logits[:, -1]
         for step in range(new_tokens):
             seen.append(logits[0].clone())
             tok = int(logits.argmax(-1))
@@ -105,7 +106,7 @@ def _dynamic_cache_greedy(base, provider, n, prompt, new_tokens):
             if step == new_tokens - 1:
                 break
             logits = base.model(input_ids=torch.tensor([[tok]]), position_ids=torch.tensor([[n + len(prompt) + step]]),
-                                past_key_values=cache, use_cache=True).logits[:, -1]
+                                **cache_kwargs(base.model, cache), use_cache=True).logits[:, -1]
     return out, seen
 
 

@@ -15,7 +15,11 @@ from nectar.baselines.kvzip import allocate, anchor_mask, recon_capture, templat
 from nectar.modules import plan_module  # noqa: E402
 from nectar.schemas.config import ProbesConfig, ReconConfig, SelectionConfig  # noqa: E402
 from nectar.stages.recon import make_recon  # noqa: E402
-from nectar.modules.stored import stored_nbytes
+from nectar.modules.budget import ragged_pair_bytes  # noqa: E402
+from nectar.modules.fused import fuse_module  # noqa: E402
+from nectar.modules.io import load_module, make_spec, save_module  # noqa: E402
+from nectar.modules.stored import stored_nbytes, stored_tensors  # noqa: E402
+from nectar.quantization import fake_quantize  # noqa: E402
 from float_tolerance import FORWARD, close_reordered
 
 RECON = ReconConfig(span_words=12, withheld_fraction=0.0)
@@ -71,7 +75,7 @@ def test_global_budget_spends_the_plans_bytes_across_heads_unevenly(tiny):
     d = base.head_dim
     for per_pair in (2 * d, 2 * d + 1):
         for mode in ("global", "layer", "head"):
-            kept = allocate(cap.scores, plan, per_pair, mode, anchor_mask(layout.n, 4))
+            kept = allocate(cap.scores, plan, 4 * per_pair, mode, anchor_mask(layout.n, 4))
             counts = torch.tensor([[k.numel() for k in heads] for heads in kept])
             if mode == "global":
                 assert counts.sum() == base.num_kv_heads * sum(plan.budgets) // per_pair
@@ -81,7 +85,7 @@ def test_global_budget_spends_the_plans_bytes_across_heads_unevenly(tiny):
                 for idx in heads:
                     assert set(range(4)) <= set(idx.tolist())  # sinks kept everywhere
                     assert (idx.diff() > 0).all()  # document order, no duplicates
-    kept = allocate(cap.scores, plan, 2 * d, "global", anchor_mask(layout.n, 4))
+    kept = allocate(cap.scores, plan, 4 * 2 * d, "global", anchor_mask(layout.n, 4))
     counts = torch.tensor([[k.numel() for k in heads] for heads in kept])
     assert counts.min() < counts.max()  # a random model's heads are not all alike
 
@@ -128,3 +132,80 @@ def test_template_tokens_are_the_context_outside_the_document(tiny):
     assert mask[0] and mask[-1]  # the chat header and the closing wrapper
     inside = base.tokenizer.decode([t for t, m in zip(layout.context_ids, mask.tolist()) if not m])
     assert DOC.strip()[:40] in inside and len(inside) <= len(DOC) + 16
+
+
+def _file_tensor_bytes(path) -> int:
+    from safetensors.torch import load_file
+    return sum(t.numel() * t.element_size() for t in load_file(str(path)).values())
+
+
+@pytest.mark.parametrize("bits,fit", [(4, True), (8, True), (4, False), (32, True)])
+def test_quantized_selection_buys_more_pairs_and_its_bytes_are_the_file_it_writes(tiny, tmp_path, bits, fit):
+    base, layout, kv, url, spans = tiny
+    plan = _plan(base, layout.n, 0.05)  # int4 pairs stay fewer than the document's keys
+    fp32 = fit_kvzip(base, layout, DOC, kv, url, plan, SelectionConfig(fit=fit), spans)
+    qplan = plan.__class__(**{**plan.__dict__, "bits": bits})
+    state = fit_kvzip(base, layout, DOC, kv, url, qplan, SelectionConfig(fit=fit), spans)
+    pairs = sum(map(sum, state.plan.quad_head_pairs))
+    pair_bytes = ragged_pair_bytes(base.head_dim, fit, bits)
+    assert pairs == 4 * base.num_kv_heads * sum(plan.budgets) // pair_bytes  # the bytes set the count
+    if bits < 32:
+        assert pairs > 3 * sum(map(sum, fp32.plan.quad_head_pairs))  # int8 ~3.6x, int4 ~6.8x the pairs
+    assert state.nbytes == pairs * pair_bytes <= 4 * base.num_kv_heads * sum(plan.budgets)
+    # masked slots are not stored: the file holds exactly the counted bytes
+    spec = make_spec(state.module, state.plan, base.name, base.weights_hash, "0" * 64, base.num_q_heads)
+    save_module(state.module, spec, str(tmp_path))
+    assert spec.module_bytes == state.nbytes == _file_tensor_bytes(tmp_path / "module.safetensors")
+    assert sum(t.numel() * t.element_size() for t in stored_tensors(state.module).values()) == state.nbytes
+    # round trip: the loaded state is the fitted one exactly (its real pairs were already on the grid)
+    loaded, _ = load_module(str(tmp_path))
+    for a, b in zip(state.module.layers, loaded.layers):
+        assert torch.equal(a.W, b.W) and torch.equal(a.Z, b.Z) and torch.equal(a.beta, b.beta)
+    if bits < 32:  # stored values are on the grid: each real row re-quantizes to itself
+        W = state.module.layers[0].W
+        c = state.plan.quad_head_pairs[0][0]
+        assert torch.equal(fake_quantize(W[0, :c], bits), W[0, :c])
+    # the fused decode path serves the state from its codes and equals the float copy
+    fused = fuse_module(loaded)
+    if bits < 32:  # held as the stored codes (at float32 the padded float copy is what it reads)
+        assert fused.nbytes == state.nbytes
+    q = torch.randn(base.num_kv_heads, 5, base.head_dim) * 3  # [H, N, d]
+    for layer in range(base.num_layers):
+        A, a = fused.predict(layer, q)
+        A_ref, a_ref = loaded.predict(layer, q.transpose(0, 1))  # [N, H, ·]
+        assert close_reordered(a, a_ref.transpose(0, 1)) and close_reordered(A, A_ref.transpose(0, 1))
+
+
+def test_quantization_aware_fit_beats_rounding_a_float_fit_on_its_own_queries(tiny):
+    """At int4 the fit that sees the keys and β as stored matches the fitting queries' targets
+    better than the float fit rounded afterwards."""
+    base, layout, kv, url, spans = tiny
+    plan = _plan(base, layout.n, 0.1)
+    qplan = plan.__class__(**{**plan.__dict__, "bits": 4})
+    cap = recon_capture(base, layout, kv, spans)
+    errs = {}
+    for aware in (True, False):
+        st = fit_kvzip(base, layout, DOC, kv, None, qplan, SelectionConfig(fit_queries="recon", quant_aware=aware), spans)
+        err = 0.0
+        for layer in range(base.num_layers):
+            q = cap.q[:, layer].transpose(0, 1).unsqueeze(0)  # [1, Hq, T, d]
+            got = st(layer, q, base.scaling)
+            err += float(((got.out[0].transpose(0, 1) - cap.A[:, layer]) ** 2).sum())
+        errs[aware] = err
+    assert errs[True] < errs[False]
+
+
+def test_ranking_by_recon_and_train_queries_keeps_keys_of_both(tiny):
+    base, layout, kv, url, spans = tiny
+    from nectar.baselines.kvzip import combined_scores
+    r = torch.rand(2, 2, 50)
+    t = torch.rand(2, 2, 50) * 100  # a different scale must not swamp the other ranking
+    s = combined_scores(r, t, 20)
+    top = set(torch.topk(s.reshape(-1), 20).indices.tolist())
+    assert top & set(torch.topk(r.reshape(-1), 10).indices.tolist())
+    assert top & set(torch.topk(t.reshape(-1), 10).indices.tolist())
+    plan = _plan(base, layout.n, 0.2)
+    both = fit_kvzip(base, layout, DOC, kv, url, plan, SelectionConfig(score_queries="recon+train"), spans)
+    recon = fit_kvzip(base, layout, DOC, kv, url, plan, SelectionConfig(), spans)
+    assert sum(map(sum, both.plan.quad_head_pairs)) == sum(map(sum, recon.plan.quad_head_pairs))  # same bytes
+    assert both.plan.quad_head_pairs != recon.plan.quad_head_pairs

@@ -9,11 +9,13 @@ from nectar.tables import ArtifactError, read_table, write_table
 
 def test_registry_holds_the_issue_systems_once_each():
     quantized = [f"{b}@int{bits}" for bits in (8, 4) for b in ("truncate", "evict", "attention_matching", "matching")]
-    assert list(SYSTEMS) == ["none", "full", "regression", "mixed", "distill", "cartridges", "matching", "truncate",
+    kvzip_quantized = [f"{b}@int{bits}" for bits in (8, 4)
+                       for b in ("kvzip_fit", "kvzip_select", "kvzip_fit_qa", "kvzip_fit_float")]
+    assert list(SYSTEMS) == ["none", "full", "regression", "mixed", "distill", "cartridges", "matching", "kvzip", "truncate",
                              "evict", "attention_matching", "attention_matching_kv", "kvzip_select", "kvzip_select_layer",
                              "kvzip_select_mean", "kvzip_fit", "kvzip_fit_layer", "kvzip_fit_recon",
-                             "kvzip_fit_nosink", "kvzip_fit_template", "kvzip_train", "kvzip_train_recon", "kvzip_distill",
-                             *quantized]
+                             "kvzip_fit_nosink", "kvzip_fit_template", "kvzip_fit_qa", "kvzip_train", "kvzip_train_recon",
+                             "kvzip_distill", *quantized, *kvzip_quantized]
     assert {s.name for s in SYSTEMS.values() if s.kind == "reference"} == {"none", "full"}
     for s in SYSTEMS.values():
         name, _, precision = s.name.partition("@")
@@ -26,8 +28,9 @@ def test_registry_holds_the_issue_systems_once_each():
             assert s.baseline in (*BASELINES, "kvzip")  # a name fit_baseline (or fit_kvzip) accepts
     # default: every system this checkout can run, but the ablations and the opt-in quantized trained
     # ones (a training each)
-    assert [s.name for s in resolve(None)] == [n for n in SYSTEMS if not n.startswith("matching@") and (
-        n in ("kvzip_select", "kvzip_fit") or not n.startswith("kvzip"))]
+    assert [s.name for s in resolve(None)] == [n for n in SYSTEMS if not n.startswith("matching@") and n != "kvzip" and (
+        n in ("kvzip_select", "kvzip_fit", "kvzip_fit@int8", "kvzip_fit@int4", "kvzip_fit_qa@int4")
+        or not n.startswith("kvzip"))]
     assert [s.name for s in resolve(["evict", "none"])] == ["none", "evict"]  # registry order
     with pytest.raises(ConfigError, match="unknown system 'x'"):
         resolve(["x"])
@@ -45,8 +48,8 @@ def test_a_trained_system_is_the_preset_regime_whatever_the_run_used():
     mixed_run = load_config("cpu", regime="mixed")
     reg = trained_config(mixed_run, SYSTEMS["regression"], 0.05)
     assert reg.train == load_config("cpu", regime="regression").train  # not the mixed run's 240-pair budget and lr
-    default = load_config("cpu")  # the cpu preset's default: matching
-    assert trained_config(mixed_run, SYSTEMS["matching"], 0.05).train == default.train
+    default = load_config("cpu")  # the cpu preset's default: the kvzip regime (int4, no gradient steps)
+    assert trained_config(mixed_run, SYSTEMS["kvzip"], 0.05).train == default.train
     assert trained_config(mixed_run, SYSTEMS["mixed"], 0.05).train == mixed_run.train
     cart = trained_config(default, SYSTEMS["cartridges"], 0.02)
     assert cart.train.module.arch == "quadrature" and cart.train.module.rho == 0.02

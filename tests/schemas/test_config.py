@@ -330,7 +330,7 @@ def test_overrides_beat_the_preset_regime_budget():
 def test_regime_overlay_merges_preset_budget_over_the_regime():
     assert regime_overlay("tiny", "cartridges") == REGIMES["cartridges"]  # no tiny-specific budget
     cpu = regime_overlay("cpu", "cartridges")
-    assert cpu["train"]["module"] == {"arch": "quadrature", "bias": False, "init": "first"}
+    assert cpu["train"]["module"] == {"arch": "quadrature", "bias": False, "init": "first", "bits": 32}
     assert cpu["train"]["samples"] == 240 and cpu["train"]["lambda_kl"] == 1.0
     # the cpu budget did not leak into the shared regime table
     assert "samples" not in REGIMES["cartridges"]["train"]

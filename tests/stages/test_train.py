@@ -145,3 +145,33 @@ def test_kvzip_init_trains_the_selected_state_and_saves_only_its_real_pairs(tiny
     q = torch.randn(1, tiny_llama.num_q_heads, 3, d) * 3
     st = ModuleDocState(module)(0, q, tiny_llama.scaling)
     assert torch.isfinite(st.out).all() and st.lse.shape == ExactDocState(kv)(0, q, tiny_llama.scaling).lse.shape
+
+
+def test_kvzip_int4_state_without_refinement_is_the_quantized_fit_saved_as_codes(tiny_llama, targets, tmp_path):
+    """train.refine=false: the train stage saves kvzip's quantization-aware fit as the state (no
+    gradient steps); its file holds the counted bytes and loads back to the fitted baseline exactly."""
+    from nectar.baselines import fit_kvzip
+    from nectar.layout import build_layout
+    from nectar.modules.builder import plan_from_config
+    from nectar.schemas.config import ProbesConfig, ReconConfig
+    from nectar.stages.recon import make_recon
+
+    url, layout, kv, sha = targets
+    spans = [(s.instruction, s.response)
+             for s in make_recon(DOC, ReconConfig(span_words=12, withheld_fraction=0.0), ProbesConfig(block_units=1))]
+    mcfg = ModuleConfig(arch="quadrature", rho=0.05, bias=True, init="kvzip", bits=4)
+    cfg = CFG.model_copy(update={"refine": False, "module": mcfg})
+    counts = train(url, cfg, tiny_llama, kv, str(tmp_path), document=DOC, spans=spans)
+    assert counts["steps"] == 0 and counts["refined"] is False
+    spec = read_spec(str(tmp_path))
+    file_bytes = sum(t.numel() * t.element_size() for t in load_file(str(tmp_path / "module.safetensors")).values())
+    assert spec.module_bytes == file_bytes == counts["module_bytes"]
+    assert any(k.endswith(".codes") for k in load_file(str(tmp_path / "module.safetensors")))
+    module, _ = load_module(str(tmp_path), tiny_llama, sha)
+    plan = plan_from_config(mcfg, tiny_llama.num_layers, tiny_llama.num_kv_heads, tiny_llama.head_dim, layout.n,
+                            tiny_llama.scaling)
+    ref = fit_kvzip(tiny_llama, build_layout(tiny_llama.tokenizer, DOC), DOC, kv, url, plan, mcfg.select, spans)
+    for a, b in zip(module.layers, ref.module.layers):
+        assert torch.equal(a.W.cpu(), b.W) and torch.equal(a.Z.cpu(), b.Z) and torch.equal(a.beta.cpu(), b.beta)
+    with pytest.raises(TrainInputError, match="refine=false"):
+        train(url, CFG.model_copy(update={"refine": False}), tiny_llama, kv, str(tmp_path / "mlp"))

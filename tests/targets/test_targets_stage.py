@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from nectar.attention.doc_kv import prefill_document
+from nectar.cache_call import cache_kwargs
 from nectar.layout import build_layout
 from nectar.schemas import DatasetRow, TargetsConfig, TargetsPairRow
 from nectar.stages import targets as targets_stage
@@ -38,7 +39,7 @@ def _independent_alpha_A(base, layout, ids, layer):
         captured["pe"] = kwargs["position_embeddings"]
     h = attn.register_forward_pre_hook(pre, with_kwargs=True)
     with torch.no_grad():
-        base.model(full, past_key_values=cache, use_cache=True)
+        base.model(full, **cache_kwargs(base.model, cache), use_cache=True)
     h.remove()
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
