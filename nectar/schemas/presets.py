@@ -104,7 +104,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 # Loss regimes of the paper's sweep (App. A.4); applied on top of a preset with --regime.
 # Each regime names the module family it trains, so a preset whose default is another family (the
-# cpu preset's default is ``matching``) still gets an MLP under ``--regime mixed``.
+# cpu preset's default is the int4 ``kvzip`` state) still gets an MLP under ``--regime mixed``.
 _MLP = {"arch": "mlp", "bias": False, "init": "first", "bits": 32}
 # every regime names its storage precision and whether it trains, so a preset whose default is a
 # quantized closed-form state (``kvzip``) does not hand its int4 / no-training settings to the others
