@@ -49,6 +49,7 @@ def reorder_atol(want: torch.Tensor, rel: float) -> float:
 
 def _max_err(got: torch.Tensor, want: torch.Tensor) -> float:
     """Largest |got - want| over finite entries; inf where the non-finite entries (masks) differ."""
+    got, want = got.detach(), want.detach()  # a comparison, not part of any graph
     finite = torch.isfinite(want)
     if not torch.equal(finite, torch.isfinite(got)) or not torch.equal(got[~finite], want[~finite]):
         return float("inf")
