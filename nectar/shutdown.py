@@ -117,6 +117,15 @@ def stop_process(proc: subprocess.Popen, grace_s: float = PROCESS_GRACE_S) -> No
         pass
 
 
+def group_alive(pgid: int) -> bool:
+    """Whether any process of group ``pgid`` is still alive (signal 0 probes without killing)."""
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
 def _kill_group(proc: subprocess.Popen, sig: int) -> None:
     try:
         if os.getpgid(proc.pid) == proc.pid:  # it leads its own group (start_new_session)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..layout import PromptLayout
+from ..shutdown import group_alive
 from .vllm_format import read_state_meta
 
 DEFAULT_VLLM_PYTHON = "~/.cache/nectar/vllm-venv/bin/python"
@@ -174,27 +175,19 @@ class VLLMServer:
         deadline = time.monotonic() + grace_s
         try:
             os.killpg(self.proc.pid, signal.SIGTERM)
-            while _group_alive(self.proc.pid) and time.monotonic() < deadline:
+            while group_alive(self.proc.pid) and time.monotonic() < deadline:
                 self.proc.poll()  # reap the leader, or the group stays "alive" as a zombie
                 time.sleep(0.2)
-            if _group_alive(self.proc.pid):
+            if group_alive(self.proc.pid):
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 end = time.monotonic() + 10
-                while _group_alive(self.proc.pid) and time.monotonic() < end:
+                while group_alive(self.proc.pid) and time.monotonic() < end:
                     self.proc.poll()
                     time.sleep(0.1)
         except ProcessLookupError:
             pass
         self.proc.wait()
         self._log.close()
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
 
 
 def served_documents(states: dict[str, str]) -> list[ServedDocument]:

@@ -25,6 +25,7 @@ from matrix_helpers import DOCUMENT, outputs
 
 from nectar.orchestration.executor import RunDir, last_invocation
 from nectar.schemas.config import STAGES
+from nectar.shutdown import group_alive
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # five runs (~4 min on an idle 2-core machine)
 REPO = Path(__file__).resolve().parents[2]
@@ -80,23 +81,15 @@ def runs():
         run.kill_group()
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-
-
 def _stopped(run: Run, children: list[psutil.Process], t0: float, code: int) -> tuple[float, str]:
     """The run exited with ``code`` and, within the bound, left nothing behind; (seconds, its line)."""
     run.proc.wait(timeout=STOP_BOUND_S + 30)
     exited = time.monotonic() - t0
-    while (_group_alive(run.proc.pid) or any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE
+    while (group_alive(run.proc.pid) or any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE
                                               for c in children)) and time.monotonic() - t0 < STOP_BOUND_S:
         time.sleep(0.05)
     gone = time.monotonic() - t0
-    assert not _group_alive(run.proc.pid), "the process group outlived the run"
+    assert not group_alive(run.proc.pid), "the process group outlived the run"
     assert not [c.pid for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE], \
         "a process the run started outlived it"
     assert run.proc.returncode == code, (run.proc.returncode, run.stderr()[-3000:])

@@ -31,6 +31,7 @@ from nectar.schemas import load_config
 from nectar.schemas.config import ModelConfig
 from nectar.serving.vllm_engine import DEFAULT_VLLM_PYTHON, placeholder_token
 from nectar.serving.vllm_equivalence import torch_provider
+from nectar.shutdown import group_alive
 from nectar.serving.vllm_format import STATE_FILE
 from nectar.serving.vllm_state import write_state
 
@@ -67,14 +68,6 @@ def make_run(root: Path, name: str, text: str, base) -> tuple[str, str]:
     (out / "state.json").write_text(json.dumps({"file": STATE_FILE, "sha256": digest, "bytes": size,
                                                 "source": "last-tokens"}))
     return ctx.run.root, ctx.info.doc_id
-
-
-def group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
 
 
 @pytest.fixture(scope="module")
