@@ -29,7 +29,9 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="served model name (default: the first /v1/models id)")
     ap.add_argument("--prompts", type=int, default=30)
     ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--top-k", type=int, default=1000)
+    ap.add_argument("--top-k", type=int, default=20,
+                    help="vLLM log-probabilities per token for the KL; at most the server's max_logprobs "
+                         "(20 under `nectar serve --engine vllm`; vLLM answers 400 beyond)")
     args = ap.parse_args()
     ctx = open_run(args.run_dir)
     base = load_base(ctx.config)

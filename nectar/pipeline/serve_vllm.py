@@ -54,8 +54,9 @@ def check_same_base(states: list[tuple[str, ExportedState]]) -> None:
 def prepare(run_dirs: list[str], opts: VLLMOptions, log=print):
     """Export/verify every run's state → (command, env, log path, documents)."""
     states = [(d, export_run_state(d, opts.source, log)) for d in run_dirs]
-    for _, st in states:
+    for run_dir, st in states:
         verify_state(st.path)
+        log(f"{run_dir}: state {st.source!r}, m={st.m} pseudo-tokens per layer for the document's n={st.n} tokens")
     check_same_base(states)
     ctx = open_run(run_dirs[0])
     from transformers import AutoTokenizer

@@ -6,7 +6,8 @@ KV provider at the document's positions) and vLLM (``/v1/completions`` on the pl
 first ``new_tokens`` must be identical. The per-token KL(torch ‖ vLLM) is measured along vLLM's
 tokens: torch's full distribution (teacher-forced) against vLLM's top-k log-probabilities with the
 rest of the vocabulary as one bucket — a coarse-graining, so it is a lower bound of the full KL that
-is tight when the top k hold nearly all the mass (k = 1000 here: the bucket is reported).
+is tight when the top k hold nearly all the mass (the bucket is reported; k is at most the server's
+max_logprobs: 20 under ``nectar serve --engine vllm``, 100 in the tests).
 """
 from __future__ import annotations
 

@@ -41,7 +41,8 @@ def export_run_state(run_dir: str, source: str | None = None, log=print) -> Expo
         except NotPlainKV as exc:
             if source == "trained":
                 raise
-            log(f"the trained module is not plain KV ({exc}); serving the β-free refit {KV_BASELINE!r}")
+            log(f"{run_dir}: the trained module is not plain KV ({exc}); serving its β-free refit {KV_BASELINE!r} "
+                f"at the same budget instead (its quality: `nectar compare {run_dir} --systems none,full,{KV_BASELINE}`)")
     if keys is None:
         name = source if source not in (None, "trained") else KV_BASELINE
         plan = plan_from_config(ctx.config.train.module, num_layers=base.num_layers, num_kv_heads=base.num_kv_heads,

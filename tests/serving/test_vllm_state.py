@@ -11,6 +11,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from nectar.base_model import _tiny
 from nectar.baselines import BASELINES, baseline_plan
 from nectar.modules.builder import build_module, plan_from_config
+from nectar.schemas import load_config
 from nectar.schemas.config import ModuleConfig
 from nectar.serving.vllm_state import NotPlainKV, check_state, plain_kv_pairs, rope_inv_freq, shift_keys, write_state
 
@@ -53,6 +54,24 @@ def test_attention_matching_kv_is_uniform_bias_free_and_within_the_budget():
     assert 0.9 * sum(plan.budgets) <= stored <= sum(plan.budgets)
     keys, values = plain_kv_pairs(build_module(kv))
     assert keys[0].shape == (plan.num_kv_heads, kv.quad_pairs[0], plan.head_dim)
+
+
+def test_the_cpu_default_module_is_not_plain_kv_and_its_refit_is():
+    """The ``cpu`` preset's module (kvzip_fit_qa@int4: per-layer budgets, β, int4 codes) cannot be
+    cached as tokens; ``--engine vllm`` serves its β-free refit at the same budget and bits, which can."""
+    cfg = load_config("cpu").train.module
+    plan = plan_from_config(cfg, num_layers=4, num_kv_heads=2, head_dim=64, n_context=1528, scaling=0.125)
+    assert len(set(plan.quad_pairs)) > 1 and plan.bits == 4  # nonuniform, int4
+    trained = build_module(plan)
+    with torch.no_grad():
+        trained.layers[0].beta.fill_(0.25)
+    with pytest.raises(NotPlainKV):
+        plain_kv_pairs(trained)
+    refit = baseline_plan("attention_matching_kv", plan)
+    assert len(set(refit.quad_pairs)) == 1 and not refit.quad_bias and refit.bits == 4
+    keys, values = plain_kv_pairs(build_module(refit))  # dequantized from the int4 codes
+    assert keys[0].shape == values[0].shape == (2, refit.quad_pairs[0], 64)
+    assert keys[0].dtype == torch.float32 and bool(torch.isfinite(keys[0]).all())
 
 
 def test_states_that_are_not_plain_kv_are_refused():
