@@ -136,9 +136,10 @@ def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     per = 8 // bits
     if per == 1:
         return packed
-    shifts = torch.arange(per, dtype=torch.int32, device=packed.device) * bits
-    c = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-    return c.reshape(*packed.shape[:-1], -1).to(torch.uint8)
+    # in uint8 throughout (no int32 copy): the decode step unpacks a quantized module's codes per layer
+    shifts = torch.arange(per, dtype=torch.uint8, device=packed.device) * bits
+    c = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    return c.reshape(*packed.shape[:-1], -1)
 
 
 def quantize(x: torch.Tensor, bits: int, group: int = DEFAULT_GROUP) -> QuantizedTensor:

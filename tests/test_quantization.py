@@ -84,3 +84,16 @@ def test_values_on_the_grid_quantize_back_to_themselves(bits):
     x = torch.randn(6, 128, generator=torch.Generator().manual_seed(bits)) * 5
     once = fake_quantize(x, bits)
     assert torch.equal(fake_quantize(once, bits), once)
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_every_byte_unpacks_to_its_codes(bits):
+    """The unpacking the decode step runs per layer (in uint8) against the arithmetic definition."""
+    from nectar.quantization import _unpack
+
+    packed = torch.arange(256, dtype=torch.uint8).reshape(4, 64)
+    per, mask = 8 // bits, (1 << bits) - 1
+    want = torch.tensor([[(int(b) >> (i * bits)) & mask for b in row for i in range(per)] for row in packed],
+                        dtype=torch.uint8)
+    got = _unpack(packed, bits)
+    assert got.dtype == torch.uint8 and torch.equal(got, want)
