@@ -154,6 +154,15 @@ for _bits in (8, 4):
                         options=_opts, default=_default))
 
 
+# The β-free refit at the bits of an int4/int8 run: what `nectar serve RUN --engine vllm` serves for a module
+# that is not plain KV (nectar/serving/vllm_export.py), as many pairs as the bytes buy (opt-in: the row of
+# that served state; vLLM holds the pairs at its KV dtype).
+for _bits in (8, 4):
+    register(System(f"attention_matching_kv@int{_bits}", "baseline", f"{SYSTEMS['attention_matching_kv'].description}, "
+                    f"stored at int{_bits} (fp16 scale and zero per 64 values), as many pairs as the bytes buy",
+                    baseline="attention_matching_kv", bits=_bits, default=False))
+
+
 def baselines_available() -> bool:
     """Whether this checkout has the closed-form baselines (``nectar.baselines.fit_baseline``)."""
     try:

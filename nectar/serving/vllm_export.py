@@ -22,6 +22,20 @@ from .vllm_format import STATE_FILE
 from .vllm_state import KV_BASELINE, ExportedState, NotPlainKV, plain_kv_pairs, reusable_state, write_state
 
 
+def refit_system(bits: int) -> str:
+    """The default refit at the run's storage bits, named as ``nectar compare`` names that system
+    (``attention_matching_kv`` is float32 there; ``attention_matching_kv@int4`` as many pairs as int4 buys)."""
+    return KV_BASELINE if bits >= 32 else f"{KV_BASELINE}@int{bits}"
+
+
+def system_bits(system: str) -> tuple[str, int]:
+    """``name[@intN]`` → (baseline name, storage bits): ``nectar compare``'s convention (no suffix: float32)."""
+    name, _, suffix = system.partition("@int")
+    if suffix and not suffix.isdigit():
+        raise NotPlainKV(f"--state {system!r}: the precision suffix is @int8 or @int4 (as in `nectar compare`)")
+    return name, int(suffix) if suffix else 32
+
+
 def export_run_state(run_dir: str, source: str | None = None, log=print) -> ExportedState:
     """Export (or reuse, when its digest and metadata still match) the run's plain-KV state."""
     ctx = open_run(run_dir)
@@ -41,15 +55,17 @@ def export_run_state(run_dir: str, source: str | None = None, log=print) -> Expo
         except NotPlainKV as exc:
             if source == "trained":
                 raise
-            log(f"{run_dir}: the trained module is not plain KV ({exc}); serving its β-free refit {KV_BASELINE!r} "
-                f"at the same budget instead (its quality: `nectar compare {run_dir} --systems none,full,{KV_BASELINE}`)")
+            refit = refit_system(ctx.config.train.module.bits)
+            log(f"{run_dir}: the trained module is not plain KV ({exc}); serving its β-free refit {refit!r} at the "
+                f"same budget instead (its quality: `nectar compare {run_dir} --systems none,full,{refit}`)")
     if keys is None:
-        name = source if source not in (None, "trained") else KV_BASELINE
         plan = plan_from_config(ctx.config.train.module, num_layers=base.num_layers, num_kv_heads=base.num_kv_heads,
                                 head_dim=base.head_dim, n_context=doc_kv.n, scaling=base.scaling)
-        fitted = fit_baseline(name, doc_kv, ctx.stage_run("targets").url("targets"), plan, seed=ctx.config.train.seed)
+        source = source if source not in (None, "trained") else refit_system(plan.bits)
+        name, bits = system_bits(source)
+        fitted = fit_baseline(name, doc_kv, ctx.stage_run("targets").url("targets"), plan, seed=ctx.config.train.seed,
+                              bits=bits)
         keys, values = plain_kv_pairs(fitted.module)
-        source = name
     os.makedirs(out_dir, exist_ok=True)
     write_state(path, keys, values, base, doc_kv.n, ctx.info.sha256, source)
     digest, size = hash_file(fsspec.filesystem("file"), path)

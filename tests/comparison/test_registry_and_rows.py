@@ -15,7 +15,8 @@ def test_registry_holds_the_issue_systems_once_each():
                              "evict", "attention_matching", "attention_matching_kv", "kvzip_select", "kvzip_select_layer",
                              "kvzip_select_mean", "kvzip_fit", "kvzip_fit_layer", "kvzip_fit_recon",
                              "kvzip_fit_nosink", "kvzip_fit_template", "kvzip_fit_qa", "kvzip_train", "kvzip_train_recon",
-                             "kvzip_distill", *quantized, *kvzip_quantized]
+                             "kvzip_distill", *quantized, *kvzip_quantized,
+                             "attention_matching_kv@int8", "attention_matching_kv@int4"]
     assert {s.name for s in SYSTEMS.values() if s.kind == "reference"} == {"none", "full"}
     for s in SYSTEMS.values():
         name, _, precision = s.name.partition("@")
@@ -28,8 +29,8 @@ def test_registry_holds_the_issue_systems_once_each():
             assert s.baseline in (*BASELINES, "kvzip")  # a name fit_baseline (or fit_kvzip) accepts
     # default: every system this checkout can run, but the ablations and the opt-in quantized trained
     # ones (a training each)
-    assert [s.name for s in resolve(None)] == [n for n in SYSTEMS if not n.startswith("matching@") and n != "kvzip" and (
-        n in ("kvzip_select", "kvzip_fit", "kvzip_fit@int8", "kvzip_fit@int4", "kvzip_fit_qa@int4")
+    assert [s.name for s in resolve(None)] == [n for n in SYSTEMS if not n.startswith(("matching@", "attention_matching_kv@"))
+                                               and n != "kvzip" and (n in ("kvzip_select", "kvzip_fit", "kvzip_fit@int8", "kvzip_fit@int4", "kvzip_fit_qa@int4")
         or not n.startswith("kvzip"))]
     assert [s.name for s in resolve(["evict", "none"])] == ["none", "evict"]  # registry order
     with pytest.raises(ConfigError, match="unknown system 'x'"):

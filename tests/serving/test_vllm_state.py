@@ -11,8 +11,10 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from nectar.base_model import _tiny
 from nectar.baselines import BASELINES, baseline_plan
 from nectar.modules.builder import build_module, plan_from_config
+from nectar.comparison.systems import SYSTEMS
 from nectar.schemas import load_config
 from nectar.schemas.config import ModuleConfig
+from nectar.serving.vllm_export import refit_system, system_bits
 from nectar.serving.vllm_state import NotPlainKV, check_state, plain_kv_pairs, rope_inv_freq, shift_keys, write_state
 
 
@@ -67,11 +69,19 @@ def test_the_cpu_default_module_is_not_plain_kv_and_its_refit_is():
         trained.layers[0].beta.fill_(0.25)
     with pytest.raises(NotPlainKV):
         plain_kv_pairs(trained)
-    refit = baseline_plan("attention_matching_kv", plan)
+    system = refit_system(plan.bits)
+    assert system == "attention_matching_kv@int4" and system in SYSTEMS  # a `nectar compare` row of its own
+    name, bits = system_bits(system)
+    assert (name, bits) == ("attention_matching_kv", SYSTEMS[system].bits)
+    refit = baseline_plan(name, plan, bits)
     assert len(set(refit.quad_pairs)) == 1 and not refit.quad_bias and refit.bits == 4
     keys, values = plain_kv_pairs(build_module(refit))  # dequantized from the int4 codes
     assert keys[0].shape == values[0].shape == (2, refit.quad_pairs[0], 64)
     assert keys[0].dtype == torch.float32 and bool(torch.isfinite(keys[0]).all())
+    # int4 buys more pairs in the same bytes than the float32 refit that compare's plain name means
+    assert refit.quad_pairs[0] > baseline_plan("attention_matching_kv", plan, 32).quad_pairs[0]
+    with pytest.raises(NotPlainKV, match="@int8 or @int4"):
+        system_bits("attention_matching_kv@intx")
 
 
 def test_states_that_are_not_plain_kv_are_refused():
