@@ -43,6 +43,10 @@ def export_run_state(run_dir: str, source: str | None = None, log=print) -> Expo
     out_dir = os.path.abspath(os.path.join(ctx.run.root, "vllm"))
     path, record = os.path.join(out_dir, STATE_FILE), os.path.join(out_dir, "state.json")
     reused = reusable_state(path, record, base.weights_hash, ctx.info.sha256, source)
+    default_refit = refit_system(ctx.config.train.module.bits)
+    if source is None and reused is not None and system_bits(reused.source)[0] == KV_BASELINE \
+            and reused.source != default_refit:
+        reused = None  # the refit at other bits than the run's (or exported before the name said them): again
     if reused is not None:
         return dataclasses.replace(reused, doc_id=ctx.info.doc_id)
     doc_kv = load_run_doc_kv(ctx)
