@@ -66,8 +66,9 @@ PRESETS: dict[str, dict[str, Any]] = {
                     "chunk_tokens": 64, "shard_tokens": 1024},
         # The default module is the ``kvzip`` regime with the QA selection lever (kvzip_fit_qa@int4 in
         # `nectar compare`): reconstruction + train-query selected keys, quantization-aware closed-form
-        # fit, int4, no gradient steps. At 5 % of the KV's bytes it ties kvpress's KVzip+int4 on probes
-        # and beats it and matching on test, on both documents; at 1 % it beats KVzip+int4 (docs/quality.md).
+        # fit, int4, no gradient steps, reconstructing the whole document (targets.recon.withheld_fraction
+        # 0). At 5 % and 1 % of the KV's bytes it beats kvpress's KVzip+int4 on probes and test, on both
+        # documents (docs/quality.md, "Whole-document reconstruction").
         # samples/batch/lr stay for the regimes that train (matching, …).
         "train": {"samples": 60_000, "batch_size": 64, "eval_every": 100, "checkpoint_every": 100, "peak_lr": 1e-3,
                   "refine": False,
