@@ -1,12 +1,13 @@
 # Two commands for a newcomer on a fresh machine (Python 3.11, no GPU):
-#   make run    set up .venv, then run the whole pipeline on the embedded default (SmolLM2 + pydoc:naming)
+#   make run    set up .venv and vLLM's venv, then run the whole pipeline on the embedded default
+#               (SmolLM2 + pydoc:naming; self-study through a managed vLLM server, else the local loop)
 #   make test   set up .venv, then run the test suite (CPU; GPU tests skip without CUDA)
 PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.nectar-installed
 
-.PHONY: setup vllm run run-vllm test test-fast bench clean
+.PHONY: setup vllm run run-local test test-fast bench clean
 
 setup: $(STAMP)
 
@@ -26,14 +27,13 @@ $(STAMP): pyproject.toml
 vllm: setup
 	$(BIN)/nectar llm setup || echo "vLLM setup failed (see ~/.cache/nectar/vllm-setup.log); the run uses the local backend"
 
-run: setup
+run: vllm
 	$(BIN)/nectar run pydoc:naming --preset cpu
 
-# The same document with self-study through a managed vLLM server and six samples per prompt
-# (infra/cpu-vllm.yaml): 96 train pairs instead of 19 in 926 s (compiled) vs the local loop's 1,058 s;
-# not the default yet: eager it was 18 % slower at equal load, a margin the load moves (docs/benchmarks.md).
-run-vllm: vllm
-	$(BIN)/nectar run pydoc:naming --preset cpu --config infra/cpu-vllm.yaml
+# The same run with self-study through the in-process loop at its own scale (infra/cpu-local.yaml:
+# one sample per prompt, 19 train pairs instead of 96; no vLLM needed).
+run-local: setup
+	$(BIN)/nectar run pydoc:naming --preset cpu --config infra/cpu-local.yaml
 
 test: setup
 	$(BIN)/pytest -m "not gpu" -q

@@ -6,13 +6,15 @@
    server with max_concurrency = concurrency. vLLM's start (setup excluded; compile cache warm or
    cold as found) is reported beside it.
 2. Stages (--stages): seconds of synthesize and verify on the default document (pydoc:naming),
-   cpu preset, with each backend: local (the preset's local loop, one sample per prompt) and vllm
-   (the preset's default: six samples per prompt), server start included in vLLM's synthesize.
-   Pairs, verified train pairs and the verifier's keep rate beside the seconds.
+   cpu preset, with each backend: vllm (the preset: a managed server, six samples per prompt, floor
+   120; server start included in synthesize) and local (+ infra/cpu-local.yaml: the in-process loop,
+   one sample per prompt, floor 24). Pairs, verified train pairs and the verifier's keep rate beside
+   the seconds. For a same-minute comparison start one process per backend at once (equal nice).
 
     python benchmarks/bench_llm.py                          # throughput only (~5 min on 2 cores)
     python benchmarks/bench_llm.py --stages --out bench_llm.json
-    python benchmarks/bench_llm.py --stages --backends vllm # stage seconds for vLLM only
+    python benchmarks/bench_llm.py --stages --backends vllm --no-throughput --tag vllm &   # both at once
+    python benchmarks/bench_llm.py --stages --backends local --no-throughput --tag local &
 """
 from __future__ import annotations
 
@@ -85,8 +87,8 @@ def _cpu_seconds() -> float:
     return total
 
 
-def stages(backend_name: str, run_root: str, config_file: str | None, extra: list[str], tag: str) -> dict:
-    """chunk → synthesize → verify on pydoc:naming with the cpu preset (+ config_file) and this backend."""
+def stages(backend_name: str, run_root: str, local_config: str, extra: list[str], tag: str) -> dict:
+    """chunk → synthesize → verify on pydoc:naming with the cpu preset (local: + local_config) and this backend."""
     from nectar import orchestration
     from nectar.schemas import load_config
     from nectar.schemas.artifacts import DatasetRow
@@ -94,14 +96,12 @@ def stages(backend_name: str, run_root: str, config_file: str | None, extra: lis
 
     keys = ("synthesize.llm", "verify.answer_llm", "verify.judge")
     overrides = [f"{k}.backend={backend_name}" for k in keys]
-    if backend_name == "local":
-        # the local loop's scale: one sample per prompt, a floor of 24 kept pairs
-        overrides += ["synthesize.samples_per_chunk=1", "verify.min_kept=24"]
-    cfg = load_config("cpu", config_file=config_file if backend_name != "local" else None,
-                      overrides=overrides + list(extra))
+    # local: the loop's own scale (one sample per prompt, a floor of 24 kept pairs)
+    config_file = local_config if backend_name == "local" else None
+    cfg = load_config("cpu", config_file=config_file, overrides=overrides + list(extra))
     ctx = orchestration.prepare_run("pydoc:naming", cfg, run_dir=f"{run_root}/{tag or backend_name}")
     cpu0 = _cpu_seconds()
-    out = {"backend": backend_name, "config": config_file if backend_name != "local" else None,
+    out = {"backend": backend_name, "config": config_file,
            "overrides": list(extra), "load_before": os.getloadavg()}
     with orchestration.llm_scope(ctx):
         orchestration.run_chunk(ctx)
@@ -134,8 +134,8 @@ def main() -> None:
     ap.add_argument("--backends", default="local,vllm")
     ap.add_argument("--stages", action="store_true", help="also time synthesize + verify on pydoc:naming")
     ap.add_argument("--no-throughput", action="store_true")
-    ap.add_argument("--vllm-config", default=str(Path(__file__).resolve().parents[1] / "infra" / "cpu-vllm.yaml"),
-                    help="the config file the vLLM stage run adds to the cpu preset")
+    ap.add_argument("--local-config", default=str(Path(__file__).resolve().parents[1] / "infra" / "cpu-local.yaml"),
+                    help="the config file the local stage run adds to the cpu preset (the loop's data scale)")
     ap.add_argument("--set", action="append", default=[], help="extra key=value for the vLLM stage run")
     ap.add_argument("--server-compile", action="store_true", help="throughput: vLLM with torch.compile (default eager)")
     ap.add_argument("--tag", default="", help="the stage run's directory name under --run-root")
@@ -151,7 +151,7 @@ def main() -> None:
             result["throughput"] += throughput(b, levels, args.new_tokens, f"{root}/logs", args.server_compile)
     if args.stages:
         for b in backends:
-            result["stages"].append(stages(b, root, args.vllm_config, args.set if b != "local" else [], args.tag))
+            result["stages"].append(stages(b, root, args.local_config, args.set if b != "local" else [], args.tag))
     print("\nbackend  concurrency  tokens  seconds  tokens/s")
     for r in result["throughput"]:
         print(f"{r['backend']:<8} {r['concurrency']:>11}  {r['tokens']:>6}  {r['seconds']:>7}  {r['tokens_per_s']:>8}")

@@ -25,6 +25,8 @@ from typing import Any, Callable
 from ..attention.doc_kv import prefill_document
 from ..attention.exact import ExactDocState
 from ..baselines import FitInputs, get_baseline
+from ..evaluation.bootstrap import Estimate
+from ..evaluation.quality import recovered_differences
 from ..evaluation.scoring import score_providers
 from ..evaluation.selection import evaluated_splits, select_pairs, with_subset
 from ..evaluation.teacher import EvalPair
@@ -384,8 +386,9 @@ def score_and_write(ctx: RunContext, jobs: list[Job], progress: ProgressFactory 
             bars[name] = bar(f"compare:{name}")
         bars[name](done, total)
 
-    _, quality = score_providers(base, layout.n, providers, sel, cfg, SCORE_BATCH, GEN_BATCH, step, timings,
-                                 extra_sums)
+    sums, quality = score_providers(base, layout.n, providers, sel, cfg, SCORE_BATCH, GEN_BATCH, step, timings,
+                                    extra_sums)
+    notes["differences"] = differences_vs_kvpress(jobs, sums, sel, quality, cfg)
     data_s, prefill_s = data_stage_seconds(ctx), prefill_seconds(base, layout.context_ids)
     for job in jobs:
         obtained[job.key].state_seconds = state_seconds(job, obtained[job.key], data_s, prefill_s)
@@ -395,6 +398,46 @@ def score_and_write(ctx: RunContext, jobs: list[Job], progress: ProgressFactory 
              "kv_bytes": doc_kv.nbytes(), "kv_dtype": str(doc_kv.keys[0].dtype).removeprefix("torch."),
              "created_at": now()}
     return write_outputs(ctx.run, rows, facts, timings, notes, allocations(obtained))
+
+
+def differences_vs_kvpress(jobs: list[Job], sums: dict, sel, quality, cfg) -> list[dict[str, Any]]:
+    """Each system's recovered KL minus the best kvpress press's at the same budget, on every split:
+    the paired bootstrap of the gap on the same pairs (nectar/evaluation/bootstrap.py). The reference
+    is the press with the highest recovered KL on that split at that ρ; none without kvpress rows."""
+    out = []
+    for split, idx in sel.split_index().items():
+        if not len(idx) or split not in quality:
+            continue
+        pairs = []
+        for rho in sorted({j.rho for j in jobs if j.rho is not None}):
+            at = [j for j in jobs if j.rho == rho]
+            presses = [j for j in at if j.system.kind == "kvpress"]
+            if not presses:
+                continue
+            ref = max(presses, key=lambda j: quality[split][j.key].recovered_kl.value)
+            pairs += [(j.key, ref.key) for j in at if j.system.kind != "kvpress"]
+        split_sums = {k: s.take(idx) for k, s in sums.items()}
+        for (a, b), est in recovered_differences(split_sums, pairs, split, cfg.bootstrap_resamples,
+                                                 cfg.seed).items():
+            out.append({"split": split, "system": a, "reference": b, "n_pairs": est.n_pairs,
+                        "delta_recovered_kl": est.value, "low": est.low, "high": est.high})
+    return out
+
+
+def differences_markdown(differences: list[dict[str, Any]]) -> str:
+    """The paired gaps as a section of comparison.md ('' when there are none)."""
+    if not differences:
+        return ""
+    lines = ["", "", "## Paired differences: recovered KL minus the best kvpress press's at the same budget", "",
+             "Points of recovered KL, 95 % paired bootstrap over the split's pairs (the same resamples as the "
+             "intervals above): an interval wholly above 0 means the system keeps more of the document than the "
+             "press on these pairs; one containing 0 is a tie.", "",
+             "| split | system | reference | pairs | Δ recovered KL, points [95% CI] |", "|---|---|---|---|---|"]
+    for d in differences:
+        est = Estimate(d["delta_recovered_kl"], d["low"], d["high"], d["n_pairs"])
+        lines.append(f"| {d['split']} | {d['system']} | {d['reference']} | {d['n_pairs']} | "
+                     f"{est.fmt(1, 100)} |")
+    return "\n".join(lines) + "\n"
 
 
 def allocations(obtained: dict[str, Obtained]) -> dict[str, list[list[int]]]:
@@ -435,6 +478,7 @@ def write_outputs(run: RunDir, rows: list[ComparisonRow], facts: dict[str, Any],
         atomic_write(f"{out}/frontier.png", png)
         files.append("frontier.png")
     md = comparison_markdown(data, facts, "frontier.png" if png is not None else None)
+    md += differences_markdown((notes or {}).get("differences", []))
     heat = allocation_heatmap(allocation or {})
     if heat is not None:  # where one budget across layers and heads put the bytes
         atomic_write(f"{out}/allocation.png", heat)

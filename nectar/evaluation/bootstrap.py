@@ -103,3 +103,9 @@ class PairedBootstrap:
         (0 for no document, 1 for the full document). Numerator and denominator share each resample."""
         r = self.ratio(kl_system, kl_none)
         return Estimate(1 - r.value, 1 - r.high, 1 - r.low, r.n_pairs)
+
+    def recovered_difference(self, kl_a, kl_b, kl_none) -> Estimate:
+        """recovered(a) − recovered(b) = (Σ kl_b − Σ kl_a) / Σ kl_none, each resample's difference on
+        the same drawn pairs: the paired interval of the gap, tighter than the two intervals apart."""
+        kl_a, kl_b = self._check(kl_a), self._check(kl_b)
+        return self.ratio(kl_b - kl_a, kl_none)

@@ -92,3 +92,16 @@ def split_quality(
                           agreement_cosine=cosine, n_agreement=len(a.rouge_l))
         out[name] = SystemQuality(**fields)
     return out
+
+
+def recovered_differences(sums: dict[str, PairSums], pairs: list[tuple[str, str]], split: str = "",
+                          resamples: int = DEFAULT_RESAMPLES, seed: int = 0, confidence: float = 0.95,
+                          ) -> dict[tuple[str, str], Estimate]:
+    """{(a, b): recovered_kl(a) − recovered_kl(b)} on one split's pairs, from the same resampling
+    ``split_quality`` draws for that split (same seed and key), so the gap's interval is paired with
+    the two systems' own intervals. ``sums`` must include ``none``."""
+    if not pairs:
+        return {}
+    n_pairs = len(sums["none"].n)
+    boot = PairedBootstrap(n_pairs, resamples, seed, confidence, key=split)
+    return {(a, b): boot.recovered_difference(sums[a].kl, sums[b].kl, sums["none"].kl) for a, b in pairs}

@@ -156,8 +156,10 @@ class ReconConfig(FrozenConfig):
     span_words: int = Field(48, ge=4)  # a span is whole units (probes.py) of at least this many words
     cue_words: int = Field(8, ge=1)  # the prompt quotes this many words preceding the span
     # Blocks of units (probes.block_units) left out of reconstruction, drawn from the held-out probe
-    # blocks: probes there measure what generalises rather than what was reconstructed.
-    withheld_fraction: float = Field(0.1, ge=0, lt=1)
+    # blocks: probes there (`probes_withheld` in `nectar compare`) measure what generalises rather than
+    # what was reconstructed. 0 (a product state): the whole document is reconstructed, as KVzip does;
+    # 0.1 measures generalisation (`--set targets.recon.withheld_fraction=0.1`, docs/quality.md).
+    withheld_fraction: float = Field(0.0, ge=0, lt=1)
     seed: int = 0
 
 

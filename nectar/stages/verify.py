@@ -1,16 +1,18 @@
 """verify: re-answer with the whole document, judge consistency, filter, split (App. A.1, E, H).
 
-1. A long-context model re-answers every instruction with the WHOLE document (the paper's answer
-   prompt; the document comes first, so every request shares one prefix KV cache locally).
+0. Identical (normalised) instructions: the first stays, the later ones become duplicate before any
+   request (sampling several replies per prompt repeats ~30 % of instructions; answering and judging
+   them would be wasted work, and only one of them could be kept).
+1. A long-context model re-answers every remaining instruction with the WHOLE document (the paper's
+   answer prompt; the document comes first, so every request shares one prefix KV cache locally).
 2. A judge compares the chunk answer (the synthesized response) with the full-document answer
    (consistency prompt + per-task guidance, JSON {is_consistent, confidence, reasoning}).
 3. Verdicts: insufficient_context (either answer says INSUFFICIENT_CONTEXT; not judged),
    judge_parse_error, inconsistent, low_confidence (< min_confidence), consistent (kept);
    synthesis parse errors carry through as synthesis_parse_error.
-4. Identical (normalised) instructions: the best one stays, the others become duplicate.
-5. Fewer than ``min_kept`` kept → the most confident low_confidence rows are kept too
+4. Fewer than ``min_kept`` kept → the most confident low_confidence rows are kept too
    (kept_by_floor), because tiny models rarely pass a strict judge.
-6. Seeded 80/20 train/test split of kept rows; challenge = the test instructions least similar
+5. Seeded 80/20 train/test split of kept rows; challenge = the test instructions least similar
    (max cosine, all-MiniLM-L6-v2) to any training instruction.
 Every row — dropped ones included, with their verdict — is written to dataset.parquet. Answers
 and judgments are saved in partial files as they arrive, so a killed run resumes. The resume
@@ -65,7 +67,7 @@ def verify(document_text: str, pairs: list[PairRow], cfg: VerifyConfig, answer_b
            progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Write ``<out_url>/dataset.parquet`` (DatasetRow, every pair) and return counts."""
     out_url = out_url.rstrip("/")
-    candidates = [p for p in pairs if p.parse_error is None]
+    candidates, duplicate_of = first_of_each_instruction([p for p in pairs if p.parse_error is None])
     check_document_fits(document_text, candidates, cfg, answer_backend)
     ticker = _Ticker(progress, 2 * len(candidates))
     answers = _answer_all(document_text, candidates, cfg, answer_backend, out_url, ticker)
@@ -74,17 +76,36 @@ def verify(document_text: str, pairs: list[PairRow], cfg: VerifyConfig, answer_b
     raw = _judge_all(to_judge, answers, cfg, judge_backend, out_url, answers_key=_answers_key(document_text,
                                                                                               candidates, cfg),
                      ticker=ticker)
-    rows = [_row(p, answers.get(p.pair_id, ""), raw.get(p.pair_id), cfg.min_confidence) for p in pairs]
-    rows = deduplicate(rows)
+    rows = [_row(p, answers.get(p.pair_id, ""), raw.get(p.pair_id), cfg.min_confidence, duplicate_of.get(p.pair_id))
+            for p in pairs]
     rows, floor = apply_floor(rows, cfg.min_kept)
     rows = split_rows(rows, cfg.test_fraction, cfg.seed)
     rows = mark_challenge(rows, cfg.challenge_size, embedder_path)
     write_table(f"{out_url}/{DATASET_FILE}", rows, DatasetRow)
     clear_partial(f"{out_url}/partial")  # the dataset holds everything now; a forced re-run starts fresh
-    return _counts(rows, floor, len(candidates), len(to_judge))
+    return _counts(rows, floor, len(candidates), len(to_judge), len(duplicate_of))
 
 
-# ----- 0. the document must fit the answer model -----
+# ----- 0. duplicates are dropped before any request; the document must fit the answer model -----
+
+def normalize_instruction(text: str) -> str:
+    return re.sub(r"\s+", " ", text.lower()).strip(" \t\n.?!:;\"'")
+
+
+def first_of_each_instruction(pairs: Sequence[PairRow]) -> tuple[list[PairRow], dict[str, str]]:
+    """The first pair of each normalised instruction (in order), and {later pair_id: first pair_id}."""
+    first: dict[str, str] = {}
+    unique: list[PairRow] = []
+    duplicate_of: dict[str, str] = {}
+    for p in pairs:
+        key = normalize_instruction(p.instruction)
+        if key in first:
+            duplicate_of[p.pair_id] = first[key]
+        else:
+            first[key] = p.pair_id
+            unique.append(p)
+    return unique, duplicate_of
+
 
 def check_document_fits(document: str, pairs: Sequence[PairRow], cfg: VerifyConfig, backend: ChatBackend) -> None:
     """Refuse up front (before any request) a document the answer model can't read whole."""
@@ -189,12 +210,15 @@ def _insufficient(*answers: str) -> bool:
     return any(INSUFFICIENT in a for a in answers)
 
 
-def _row(pair: PairRow, full_answer: str, judge_raw: str | None, min_confidence: float) -> DatasetRow:
+def _row(pair: PairRow, full_answer: str, judge_raw: str | None, min_confidence: float,
+         duplicate_of: str | None = None) -> DatasetRow:
     base = dict(pair_id=pair.pair_id, chunk_id=pair.chunk_id, task=pair.task, instruction=pair.instruction,
                 response=pair.response, full_answer=full_answer, judge_raw=judge_raw or "", split="dropped",
                 kept=False, is_consistent=None, confidence=None, reasoning="")
     if pair.parse_error is not None:
         return DatasetRow(**{**base, "reasoning": pair.parse_error}, verdict="synthesis_parse_error")
+    if duplicate_of is not None:  # not answered, not judged
+        return DatasetRow(**{**base, "reasoning": f"same instruction as {duplicate_of}"}, verdict="duplicate")
     if _insufficient(pair.response, full_answer):
         return DatasetRow(**base, verdict="insufficient_context")
     j = parse_judgment(judge_raw)
@@ -209,34 +233,7 @@ def _row(pair: PairRow, full_answer: str, judge_raw: str | None, min_confidence:
     return DatasetRow(**{**fields, "kept": True, "split": "train"}, verdict="consistent")
 
 
-# ----- 4-5. duplicates and the floor -----
-
-def normalize_instruction(text: str) -> str:
-    return re.sub(r"\s+", " ", text.lower()).strip(" \t\n.?!:;\"'")
-
-
-def deduplicate(rows: list[DatasetRow]) -> list[DatasetRow]:
-    """Among keepable rows with the same normalised instruction, keep the best; mark others duplicate."""
-    best: dict[str, int] = {}
-    for i, r in enumerate(rows):
-        if r.verdict not in ("consistent", "low_confidence"):
-            continue
-        key = normalize_instruction(r.instruction)
-        j = best.get(key)
-        if j is None or _rank(r) > _rank(rows[j]):
-            best[key] = i
-    winners = set(best.values())
-    out = []
-    for i, r in enumerate(rows):
-        if r.verdict in ("consistent", "low_confidence") and i not in winners:
-            r = r.model_copy(update={"verdict": "duplicate", "kept": False, "split": "dropped"})
-        out.append(r)
-    return out
-
-
-def _rank(r: DatasetRow) -> tuple[bool, float]:
-    return (r.verdict == "consistent", r.confidence or 0.0)
-
+# ----- 4. the floor -----
 
 def apply_floor(rows: list[DatasetRow], min_kept: int) -> tuple[list[DatasetRow], int]:
     """Keep the most confident low_confidence rows until ``min_kept`` rows are kept."""
@@ -251,7 +248,7 @@ def apply_floor(rows: list[DatasetRow], min_kept: int) -> tuple[list[DatasetRow]
     return out, len(pool)
 
 
-# ----- 6-7. splits -----
+# ----- 5. splits -----
 
 def split_rows(rows: list[DatasetRow], test_fraction: float, seed: int) -> list[DatasetRow]:
     kept = [i for i, r in enumerate(rows) if r.kept]
@@ -325,12 +322,12 @@ class _Ticker:
             self.progress(self.done, max(self.total, self.done))
 
 
-def _counts(rows: list[DatasetRow], floor: int, n_answered: int, n_judged: int) -> dict[str, Any]:
+def _counts(rows: list[DatasetRow], floor: int, n_answered: int, n_judged: int, n_duplicates: int) -> dict[str, Any]:
     verdicts: dict[str, int] = {}
     for r in rows:
         verdicts[r.verdict] = verdicts.get(r.verdict, 0) + 1
     return {
-        "pairs": len(rows), "answer_requests": n_answered, "judge_requests": n_judged,
+        "pairs": len(rows), "duplicates_skipped": n_duplicates, "answer_requests": n_answered, "judge_requests": n_judged,
         "kept": sum(r.kept for r in rows), "dropped": sum(not r.kept for r in rows),
         "kept_by_floor": floor, "verdicts": verdicts,
         "train": sum(r.split == "train" for r in rows), "test": sum(r.split == "test" for r in rows),

@@ -192,6 +192,15 @@ def test_compare_scores_kvpress_presses_on_the_same_pairs(tiny_run, kvpress_env)
     assert "| kvpress:kvzip | kvpress | 0.3 |" in md and "state s" in md
     info = json.load(open(tiny_run.run.local_path("compare", "info.json")))
     assert 0 <= info["kvpress"]["guard_max_token_kl"] <= 1e-3 and "kvpress:kvzip" in info["systems"]
+    # truncate against the better press at each budget, paired on the same pairs: the gap of the two rows
+    diffs = {(d["split"], d["system"]): d for d in info["differences"]}
+    assert {k[1] for k in diffs} == {f"truncate@{rho:g}", "truncate@0.3"}
+    for (split, key), d in diffs.items():
+        b = float(key.split("@")[1])
+        ref = max((by[(p, b, split)] for p in ("kvpress:kvzip", "kvpress:streaming_llm")), key=lambda r: r.recovered_kl)
+        assert d["reference"] == f"{ref.system}@{b:g}" and d["low"] <= d["delta_recovered_kl"] <= d["high"]
+        assert d["delta_recovered_kl"] == pytest.approx(by[("truncate", b, split)].recovered_kl - ref.recovered_kl)
+    assert "## Paired differences" in md
 
 
 def test_compare_goes_on_without_kvpress_rows_when_its_env_fails_fake_failure(tiny_run, monkeypatch, capsys):

@@ -92,3 +92,22 @@ def test_undefined_cases_are_nan_not_made_up():
     with pytest.raises(ValueError, match="confidence"):
         PairedBootstrap(3, confidence=95)
     assert PairedBootstrap(4).ratio(np.arange(4.0), np.ones(4)).fmt(2) .startswith("1.50 [")
+
+
+def test_recovered_difference_is_the_gap_of_the_two_recovered_and_tighter_than_either_interval():
+    # Two systems whose per-pair KLs move together (a shared pair difficulty): the paired gap's interval
+    # is much narrower than either system's own, and its point is exactly the difference of the points.
+    rng = np.random.default_rng(5)
+    P = 60
+    none = rng.gamma(2.0, 1.0, size=P) * 30
+    hard = rng.uniform(0.02, 0.4, size=P)
+    a, b = none * hard, none * (hard + 0.02)  # a always slightly better than b
+    boot = PairedBootstrap(P, resamples=2000, seed=0, key="probes")
+    ra, rb, d = boot.recovered(a, none), boot.recovered(b, none), boot.recovered_difference(a, b, none)
+    assert d.value == pytest.approx(ra.value - rb.value)
+    assert d.low > 0  # separated, while the two intervals overlap
+    assert ra.low < rb.high
+    assert d.high - d.low < 0.5 * min(ra.high - ra.low, rb.high - rb.low)
+    # the same sums in the other order: the negated interval
+    r = boot.recovered_difference(b, a, none)
+    assert (r.value, r.low, r.high) == pytest.approx((-d.value, -d.high, -d.low))

@@ -495,14 +495,17 @@ def test_a_removed_key_is_refused_in_one_line_and_old_runs_still_open(tmp_path):
     assert PipelineConfig.model_validate(old) == load_config("tiny")
 
 
-def test_the_vllm_config_file_switches_self_study_to_a_managed_vllm_server():
-    """infra/cpu-vllm.yaml (make run-vllm): every LLM role on vLLM (local fallback), more samples and a
-    higher floor; the plain cpu preset stays on the local loop."""
+def test_the_cpu_preset_self_studies_through_vllm_and_the_local_file_switches_back():
+    """The cpu preset (make run): every LLM role on vLLM (local fallback), compiled, six samples per
+    prompt and a floor of 120; infra/cpu-local.yaml (make run-local): the local loop at its scale."""
     from pathlib import Path
 
-    cfg = load_config("cpu", config_file=str(Path(__file__).parents[2] / "infra" / "cpu-vllm.yaml"))
+    cfg = load_config("cpu")
     roles = (cfg.synthesize.llm, cfg.verify.answer_llm, cfg.verify.judge, cfg.evaluate.judge)
-    assert {r.backend for r in roles} == {"auto"} and cfg.synthesize.samples_per_chunk == 6
-    assert cfg.verify.min_kept == 120 and cfg.verify.judge.max_new_tokens == 96
-    plain = load_config("cpu")
-    assert plain.synthesize.llm.backend == "local" and plain.synthesize.samples_per_chunk == 1
+    assert {r.backend for r in roles} == {"auto"} and {r.server_compile for r in roles} == {True}
+    assert cfg.synthesize.samples_per_chunk == 6 and cfg.verify.min_kept == 120
+    assert cfg.verify.judge.max_new_tokens == 96 and cfg.synthesize.llm.max_new_tokens == 512
+    local = load_config("cpu", config_file=str(Path(__file__).parents[2] / "infra" / "cpu-local.yaml"))
+    roles = (local.synthesize.llm, local.verify.answer_llm, local.verify.judge, local.evaluate.judge)
+    assert {r.backend for r in roles} == {"local"} and local.synthesize.samples_per_chunk == 1
+    assert local.verify.min_kept == 24 and local.verify.judge.max_new_tokens == 96

@@ -39,3 +39,25 @@ def test_recon_split_is_captured_as_its_own_split_and_not_evaluated(tiny_llama, 
     tokens = data.tokens("recon")
     assert len(tokens) == sum(r.length for r in recon) and np.isfinite(data.rows(tokens[:8]).alpha.numpy()).all()
     assert "recon" not in split_pools(rows)  # training queries, never a held-out split
+
+
+def test_the_default_reconstructs_the_whole_document_and_withholding_is_opt_in():
+    # A product state reconstructs every unit (as KVzip); withheld_fraction > 0 leaves held-out blocks
+    # out so `nectar compare` can report probes_withheld; at 0 that split is absent, not empty.
+    from nectar.evaluation.selection import Selection, with_subset
+    from nectar.schemas.config import EvaluateConfig
+    from nectar.stages.probes import split_units
+    from nectar.stages.recon import withheld_units
+
+    probes = ProbesConfig(block_units=1)
+    n_units = len(split_units(DOC))
+    covered = {u for s in make_recon(DOC, ReconConfig(span_words=12), probes)
+               for u in range(s.first_unit, s.last_unit + 1)}
+    assert covered == set(range(n_units))
+    assert withheld_units(n_units, ReconConfig(), probes) == set()
+    held = withheld_units(n_units, ReconConfig(withheld_fraction=0.3), probes)
+    partial = {u for s in make_recon(DOC, ReconConfig(span_words=12, withheld_fraction=0.3), probes)
+               for u in range(s.first_unit, s.last_unit + 1)}
+    assert held and not held & partial and held | partial == set(range(n_units))
+    sel = Selection([], {}, {"probes": ["a", "b"]})
+    assert with_subset(sel, "probes", "probes_withheld", set(), EvaluateConfig()) is sel

@@ -1,4 +1,4 @@
-"""verify: verdict rules, dedup, floor, splits, challenge (real MiniLM), the whole stage on the tiny
+"""verify: verdict rules, duplicates skipped before any request, floor, splits, challenge (real MiniLM), the whole stage on the tiny
 model (prefix reuse, resume, failures) and the too-long-document refusal."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from nectar.llm.openai_backend import OpenAIBackend
 from nectar.base_model import embedder_path, load_base_model
 from nectar.schemas.artifacts import DatasetRow, PairRow
 from nectar.schemas.config import LLMConfig, ModelConfig, VerifyConfig
-from nectar.stages.verify import (VerifyError, _seed, apply_floor, deduplicate, mark_challenge, parse_judgment,
+from nectar.stages.verify import (VerifyError, _seed, apply_floor, first_of_each_instruction, mark_challenge, parse_judgment,
                                   split_rows, verify)
 from nectar.tables import read_table
 
@@ -80,12 +80,13 @@ def test_parse_judgment(text, expect):
     assert (j.error is None) if expect[2] is None else (expect[2] in j.error)
 
 
-def test_dedup_keeps_the_best_of_identical_instructions():
-    rows = [drow("a", "What is a Scope?", "low_confidence", 0.5), drow("b", "what is a  scope", "consistent", 0.8),
-            drow("c", "What is a scope?!", "consistent", 0.95), drow("d", "What is a scope", "inconsistent")]
-    out = deduplicate(rows)
-    assert [r.verdict for r in out] == ["duplicate", "duplicate", "consistent", "inconsistent"]
-    assert [r.kept for r in out] == [False, False, True, False]
+def test_duplicates_are_the_later_pairs_with_the_same_normalised_instruction():
+    pairs = [PairRow(pair_id=pid, chunk_id=0, task="qa", instruction=q, response="r", raw_output="{}")
+             for pid, q in [("a", "What is a Scope?"), ("b", "what is a  scope"), ("c", "What is a block?"),
+                            ("d", "What is a scope?!"), ("e", "What is a scope of a name?")]]
+    unique, duplicate_of = first_of_each_instruction(pairs)
+    assert [p.pair_id for p in unique] == ["a", "c", "e"]
+    assert duplicate_of == {"b": "a", "d": "a"}
 
 
 def test_floor_keeps_most_confident_low_confidence_rows():
@@ -134,17 +135,21 @@ def test_verify_tiny_model_end_to_end(tmp_path, tiny_backend):
     by_id = {r.pair_id: r for r in rows}
     assert by_id["c1-qa-0"].verdict == "synthesis_parse_error" and by_id["c1-qa-0"].split == "dropped"
     assert by_id["c0-qa-7"].verdict == "insufficient_context" and by_id["c0-qa-7"].judge_raw == ""
-    assert all(r.full_answer for r in rows if r.verdict != "synthesis_parse_error")
+    assert all(r.full_answer for r in rows if r.verdict not in ("synthesis_parse_error", "duplicate"))
     assert sum(counts["verdicts"].values()) == len(rows) == counts["kept"] + counts["dropped"]
-    assert counts["answer_requests"] == 10 and counts["judge_requests"] == 9
+    # the duplicate (c0-qa-6 repeats c0-qa-0) is neither answered nor judged
+    assert by_id["c0-qa-6"].verdict == "duplicate" and by_id["c0-qa-6"].full_answer == by_id["c0-qa-6"].judge_raw == ""
+    assert "c0-qa-0" in by_id["c0-qa-6"].reasoning and not by_id["c0-qa-6"].kept
+    assert counts["duplicates_skipped"] == 1 and counts["verdicts"]["duplicate"] == 1
+    assert counts["answer_requests"] == 9 and counts["judge_requests"] == 8
     kept = [r for r in rows if r.kept]
     assert len(kept) == counts["kept"] == counts["train"] + counts["test"] and all(r.split != "dropped" for r in kept)
     assert all(not r.kept and r.split == "dropped" for r in rows if r.verdict not in ("consistent", "low_confidence"))
     assert counts["kept"] >= min(CFG.min_kept, counts["verdicts"].get("consistent", 0)
                                  + counts["verdicts"].get("low_confidence", 0))
     assert counts["challenge"] == min(1, counts["test"])
-    # the document was prefilled once for all ten answers
-    assert answer.prefixes.misses == 1 and answer.prefill_tokens < 250 + 10 * 40
+    # the document was prefilled once for all nine answers
+    assert answer.prefixes.misses == 1 and answer.prefill_tokens < 250 + 9 * 40
     assert not (tmp_path / "partial").exists()
 
 
@@ -166,7 +171,7 @@ def test_resume_after_crash_with_fake_crash(tmp_path, tiny_backend):
     assert len(crashing.delivered) == 3
     answer, judge = Counting(tiny_backend), Recording(tiny_backend)
     verify(DOC, pairs, CFG, answer, judge, embedder_path(), str(run))
-    assert answer.requests == 0 and judge.requests == 9 - 3  # nothing finished is asked again
+    assert answer.requests == 0 and judge.requests == 8 - 3  # nothing finished is asked again
     assert not set(judge.delivered) & set(crashing.delivered)
     rows = read_table(str(run / "dataset.parquet"), DatasetRow)
     assert [r.pair_id for r in rows] == list(ref)  # every pair, in order, dropped ones included
@@ -193,7 +198,7 @@ class FailingJudge(Counting):
 
 def test_failed_judge_requests_fail_the_stage_and_are_retried_with_fake_failing_judge(tmp_path, tiny_backend):
     pairs = make_pairs()
-    with pytest.raises(VerifyError, match=r"4 of 9 judge request\(s\) failed .*server answered 500"):
+    with pytest.raises(VerifyError, match=r"4 of 8 judge request\(s\) failed .*server answered 500"):
         verify(DOC, pairs, CFG, tiny_backend, FailingJudge(tiny_backend), embedder_path(), str(tmp_path))
     judge = Counting(tiny_backend)
     verify(DOC, pairs, CFG, tiny_backend, judge, embedder_path(), str(tmp_path))
