@@ -3,6 +3,7 @@ import torch
 
 from nectar.quantization import (
     QuantizedTensor,
+    _unpack,
     dequantize,
     effective_group,
     fake_quantize,
@@ -89,8 +90,6 @@ def test_values_on_the_grid_quantize_back_to_themselves(bits):
 @pytest.mark.parametrize("bits", [2, 4])
 def test_every_byte_unpacks_to_its_codes(bits):
     """The unpacking the decode step runs per layer (in uint8) against the arithmetic definition."""
-    from nectar.quantization import _unpack
-
     packed = torch.arange(256, dtype=torch.uint8).reshape(4, 64)
     per, mask = 8 // bits, (1 << bits) - 1
     want = torch.tensor([[(int(b) >> (i * bits)) & mask for b in row for i in range(per)] for row in packed],

@@ -10,11 +10,12 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "training"))
 from targets_fixture import DOC, dataset_rows  # noqa: E402
 
 from nectar.attention.doc_kv import prefill_document  # noqa: E402
-from nectar.evaluation.selection import split_pools  # noqa: E402
+from nectar.evaluation.selection import Selection, split_pools, with_subset  # noqa: E402
 from nectar.layout import build_layout  # noqa: E402
 from nectar.schemas.artifacts import SPLIT_CODES, TargetsPairRow  # noqa: E402
-from nectar.schemas.config import ProbesConfig, ReconConfig, TargetsConfig  # noqa: E402
-from nectar.stages.recon import make_recon, recon_dataset_rows  # noqa: E402
+from nectar.schemas.config import EvaluateConfig, ProbesConfig, ReconConfig, TargetsConfig  # noqa: E402
+from nectar.stages.probes import split_units  # noqa: E402
+from nectar.stages.recon import make_recon, recon_dataset_rows, withheld_units  # noqa: E402
 from nectar.stages.targets import build_targets  # noqa: E402
 from nectar.tables import read_table  # noqa: E402
 from nectar.targets.store import open_targets  # noqa: E402
@@ -44,11 +45,6 @@ def test_recon_split_is_captured_as_its_own_split_and_not_evaluated(tiny_llama, 
 def test_the_default_reconstructs_the_whole_document_and_withholding_is_opt_in():
     # A product state reconstructs every unit (as KVzip); withheld_fraction > 0 leaves held-out blocks
     # out so `nectar compare` can report probes_withheld; at 0 that split is absent, not empty.
-    from nectar.evaluation.selection import Selection, with_subset
-    from nectar.schemas.config import EvaluateConfig
-    from nectar.stages.probes import split_units
-    from nectar.stages.recon import withheld_units
-
     probes = ProbesConfig(block_units=1)
     n_units = len(split_units(DOC))
     covered = {u for s in make_recon(DOC, ReconConfig(span_words=12), probes)
