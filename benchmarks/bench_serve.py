@@ -86,7 +86,8 @@ def make_run(model: str, document: str, root: Path) -> str:
 # kept  a quantized module's floats dequantized once at load (what nectar serve holds by default)
 # codes the codes alone, dequantized in every decode step (nectar serve --codes-only; the old default)
 # none  the base model alone through the same engine (no document state): the step without the module
-ENGINE_FORMS = ("kept", "codes", "none")
+# mkl   kept, with the engine's linear layers left on MKL (DecodeEngine(onednn=False)): the GEMM A/B
+ENGINE_FORMS = ("kept", "codes", "none", "mkl")
 
 
 def engine_batching(run_dir: str, max_tokens: int, batch: int, rounds: int,
@@ -106,12 +107,13 @@ def engine_batching(run_dir: str, max_tokens: int, batch: int, rounds: int,
     served = load_served_module(run_dir)
     providers = {"kept": lambda: inference_provider(served.module, served.base.dtype),
                  "codes": lambda: inference_provider(served.module, served.base.dtype, keep_dequantized=False),
-                 "none": lambda: None}
+                 "none": lambda: None,
+                 "mkl": lambda: inference_provider(served.module, served.base.dtype)}
     engines, held = {}, {}
     for f in forms:
         provider = providers[f]()
         held[f] = provider.module.resident_bytes if provider is not None else 0
-        engines[f] = DecodeEngine(served.base, provider, served.n_context, stop_ids=())
+        engines[f] = DecodeEngine(served.base, provider, served.n_context, stop_ids=(), onednn=f != "mkl")
     prompts = [served.layout.prompt(QUESTIONS[i % len(QUESTIONS)]).ids for i in range(batch)]
     for e in engines.values():  # warm-up at both sizes
         e.run([Request(p, 4) for p in prompts])
