@@ -165,15 +165,19 @@ def test_quantized_selection_buys_more_pairs_and_its_bytes_are_the_file_it_write
         W = state.module.layers[0].W
         c = state.plan.quad_head_pairs[0][0]
         assert torch.equal(fake_quantize(W[0, :c], bits), W[0, :c])
-    # the fused decode path serves the state from its codes and equals the float copy
-    fused = fuse_module(loaded)
-    if bits < 32:  # held as the stored codes (at float32 the padded float copy is what it reads)
-        assert fused.nbytes == state.nbytes
+    # the fused decode path serves the state from its codes (--codes-only: it holds exactly the stored
+    # bytes) or from floats dequantized once at load (the default: it holds the codes and the floats),
+    # and both equal the float copy
+    codes_only, kept = fuse_module(loaded, keep_dequantized=False), fuse_module(loaded)
+    if bits < 32:  # (at float32 the padded float copy is what it reads)
+        assert codes_only.nbytes == codes_only.resident_bytes == state.nbytes
+        assert kept.resident_bytes == state.nbytes + kept.nbytes and kept.nbytes > state.nbytes
     q = torch.randn(base.num_kv_heads, 5, base.head_dim) * 3  # [H, N, d]
-    for layer in range(base.num_layers):
-        A, a = fused.predict(layer, q)
-        A_ref, a_ref = loaded.predict(layer, q.transpose(0, 1))  # [N, H, ·]
-        assert close_reordered(a, a_ref.transpose(0, 1)) and close_reordered(A, A_ref.transpose(0, 1))
+    for fused in (codes_only, kept):
+        for layer in range(base.num_layers):
+            A, a = fused.predict(layer, q)
+            A_ref, a_ref = loaded.predict(layer, q.transpose(0, 1))  # [N, H, ·]
+            assert close_reordered(a, a_ref.transpose(0, 1)) and close_reordered(A, A_ref.transpose(0, 1))
 
 
 def test_quantization_aware_fit_beats_rounding_a_float_fit_on_its_own_queries(tiny):
