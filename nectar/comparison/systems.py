@@ -154,6 +154,25 @@ for _bits in (8, 4):
                         options=_opts, default=_default))
 
 
+# The default state (kvzip_fit_qa@int4) refined by gradient steps that see it as stored (train.quant_aware:
+# keys, values and β rounded on their grid in every forward, straight-through gradient), so the trained
+# state is the stored one and starts from the quantization-aware fit instead of discarding it; and the
+# same regression refinement trained in float and rounded after (the ablation of quant_aware). Opt-in:
+# each trains a variant per budget.
+_QA_TRAIN = {"refine": True, "lambda_alpha": 0.1, "lambda_A": 1.0, "lambda_kl": 0.0, "peak_lr": 1e-3,
+             "samples": 12_000, "module": {"bits": 4}}
+for _name, _desc, _train in (
+        ("kvzip_train_qa@int4", "kvzip_fit_qa@int4 refined as stored (int4 keys/values, bf16 β, straight-through "
+         "gradient) by regression on the train pairs' captured targets, 12k query tokens", {**_QA_TRAIN, "quant_aware": True}),
+        ("kvzip_train_qa_float@int4", "kvzip_train_qa@int4 trained in float and rounded after (no "
+         "quantization-aware steps)", {**_QA_TRAIN, "quant_aware": False}),
+        ("kvzip_distill_qa@int4", "kvzip_fit_qa@int4 refined as stored end to end by the KL to the full "
+         "model's top-K on the train pairs (240 pairs, batch 4)",
+         {"refine": True, "quant_aware": True, "lambda_alpha": 0.0, "lambda_A": 0.0, "lambda_kl": 1.0,
+          "samples": 240, "batch_size": 4, "peak_lr": 1e-3, "module": {"bits": 4}})):
+    register(System(_name, "trained", _desc, regime="kvzip", overlay={"train": _train}, default=False))
+
+
 # The β-free refit at the bits of an int4/int8 run: what `nectar serve RUN --engine vllm` serves for a module
 # that is not plain KV (nectar/serving/vllm_export.py), as many pairs as the bytes buy (opt-in: the row of
 # that served state; vLLM holds the pairs at its KV dtype).
