@@ -45,6 +45,7 @@ class System:
     bits: int = 32  # baseline / kvpress: storage precision of its kept entries (trained: train.module.bits in overlay)
     options: dict[str, Any] = field(default_factory=dict)  # baseline kvzip: SelectionConfig settings
     default: bool = True  # in a compare without --systems (opt-in: ablations, systems that train extra variants)
+    refines: str | None = None  # trained: the closed-form system it starts from (compare: paired Δ to it)
 
     def __post_init__(self) -> None:
         if self.kind == "trained" and self.regime is None and not self.overlay:
@@ -53,6 +54,8 @@ class System:
             raise ValueError(f"kvpress system {self.name!r} needs a press")
         if self.kind == "baseline" and not self.baseline:
             raise ValueError(f"baseline system {self.name!r} needs the name of its fit")
+        if self.refines is not None and self.kind != "trained":
+            raise ValueError(f"system {self.name!r}: only a trained system refines another")
         if self.regime is not None and self.regime not in REGIMES:
             raise ValueError(f"system {self.name!r}: unknown regime {self.regime!r}")
 
@@ -170,7 +173,8 @@ for _name, _desc, _train in (
          "model's top-K on the train pairs (240 pairs, batch 4)",
          {"refine": True, "quant_aware": True, "lambda_alpha": 0.0, "lambda_A": 0.0, "lambda_kl": 1.0,
           "samples": 240, "batch_size": 4, "peak_lr": 1e-3, "module": {"bits": 4}})):
-    register(System(_name, "trained", _desc, regime="kvzip", overlay={"train": _train}, default=False))
+    register(System(_name, "trained", _desc, regime="kvzip", overlay={"train": _train}, default=False,
+                    refines="kvzip_fit_qa@int4"))
 
 
 # The β-free refit at the bits of an int4/int8 run: what `nectar serve RUN --engine vllm` serves for a module
