@@ -167,6 +167,8 @@ _QA_TRAIN = {"refine": True, "lambda_alpha": 0.1, "lambda_A": 1.0, "lambda_kl": 
 for _name, _desc, _train in (
         ("kvzip_train_qa@int4", "kvzip_fit_qa@int4 refined as stored (int4 keys/values, bf16 β, straight-through "
          "gradient) by regression on the train pairs' captured targets, 12k query tokens", {**_QA_TRAIN, "quant_aware": True}),
+        ("kvzip_train_qa_fast@int4", "kvzip_train_qa@int4 at 10x the learning rate (1e-2): an int4 code flips "
+         "only once the float behind it crosses half a step", {**_QA_TRAIN, "quant_aware": True, "peak_lr": 1e-2}),
         ("kvzip_train_qa_float@int4", "kvzip_train_qa@int4 trained in float and rounded after (no "
          "quantization-aware steps)", {**_QA_TRAIN, "quant_aware": False}),
         ("kvzip_distill_qa@int4", "kvzip_fit_qa@int4 refined as stored end to end by the KL to the full "
