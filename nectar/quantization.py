@@ -179,3 +179,16 @@ def fake_quantize(x: torch.Tensor, bits: int, group: int = DEFAULT_GROUP) -> tor
     if bits == 16:
         return x.to(torch.bfloat16).to(x.dtype)
     return dequantize(quantize(x, bits, group), x.dtype)
+
+
+def straight_through(x: torch.Tensor, bits: int, group: int = DEFAULT_GROUP) -> torch.Tensor:
+    """``fake_quantize(x)`` in the forward, the identity's gradient in the backward (straight-through
+    estimator): a loss sees the values as stored, the float ``x`` behind them takes the step.
+
+    Non-finite entries (β = −inf of a masked slot; only at ``bits`` 16/32, where rounding keeps them)
+    pass through unchanged and get no gradient."""
+    if bits == 32:
+        return x
+    rounded = fake_quantize(x.detach(), bits, group)
+    finite = torch.isfinite(x)
+    return rounded + torch.where(finite, x - x.detach(), torch.zeros_like(x))

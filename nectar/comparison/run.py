@@ -388,7 +388,8 @@ def score_and_write(ctx: RunContext, jobs: list[Job], progress: ProgressFactory 
 
     sums, quality = score_providers(base, layout.n, providers, sel, cfg, SCORE_BATCH, GEN_BATCH, step, timings,
                                     extra_sums)
-    notes["differences"] = differences_vs_kvpress(jobs, sums, sel, quality, cfg)
+    notes["differences"] = (differences_vs_kvpress(jobs, sums, sel, quality, cfg)
+                            + differences_vs_start(jobs, sums, sel, quality, cfg))
     data_s, prefill_s = data_stage_seconds(ctx), prefill_seconds(base, layout.context_ids)
     for job in jobs:
         obtained[job.key].state_seconds = state_seconds(job, obtained[job.key], data_s, prefill_s)
@@ -416,6 +417,24 @@ def differences_vs_kvpress(jobs: list[Job], sums: dict, sel, quality, cfg) -> li
                 continue
             ref = max(presses, key=lambda j: quality[split][j.key].recovered_kl.value)
             pairs += [(j.key, ref.key) for j in at if j.system.kind != "kvpress"]
+        out += _paired(sums, idx, split, pairs, cfg)
+    return out
+
+
+def differences_vs_start(jobs: list[Job], sums: dict, sel, quality, cfg) -> list[dict[str, Any]]:
+    """Each refined state's recovered KL minus that of the closed-form state it starts from
+    (``System.refines``), at the same budget and on the same pairs, when both are in the compare:
+    what the gradient steps add."""
+    keys = {(j.system.name, j.rho): j.key for j in jobs}
+    pairs = [(j.key, keys[(j.system.refines, j.rho)]) for j in jobs
+             if j.system.refines and (j.system.refines, j.rho) in keys]
+    return [d for split, idx in sel.split_index().items() if len(idx) and split in quality
+            for d in _paired(sums, idx, split, pairs, cfg)]
+
+
+def _paired(sums: dict, idx, split: str, pairs: list[tuple[str, str]], cfg) -> list[dict[str, Any]]:
+    out = []
+    if pairs:
         split_sums = {k: s.take(idx) for k, s in sums.items()}
         for (a, b), est in recovered_differences(split_sums, pairs, split, cfg.bootstrap_resamples,
                                                  cfg.seed).items():
@@ -428,10 +447,11 @@ def differences_markdown(differences: list[dict[str, Any]]) -> str:
     """The paired gaps as a section of comparison.md ('' when there are none)."""
     if not differences:
         return ""
-    lines = ["", "", "## Paired differences: recovered KL minus the best kvpress press's at the same budget", "",
-             "Points of recovered KL, 95 % paired bootstrap over the split's pairs (the same resamples as the "
-             "intervals above): an interval wholly above 0 means the system keeps more of the document than the "
-             "press on these pairs; one containing 0 is a tie.", "",
+    lines = ["", "", "## Paired differences: recovered KL minus a reference's at the same budget", "",
+             "The reference is the best kvpress press at that budget, or, for a refined state, the closed-form "
+             "state its gradient steps start from. Points of recovered KL, 95 % paired bootstrap over the "
+             "split's pairs (the same resamples as the intervals above): an interval wholly above 0 means the "
+             "system keeps more of the document than the reference on these pairs; one containing 0 is a tie.", "",
              "| split | system | reference | pairs | Δ recovered KL, points [95% CI] |", "|---|---|---|---|---|"]
     for d in differences:
         est = Estimate(d["delta_recovered_kl"], d["low"], d["high"], d["n_pairs"])

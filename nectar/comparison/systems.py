@@ -45,6 +45,7 @@ class System:
     bits: int = 32  # baseline / kvpress: storage precision of its kept entries (trained: train.module.bits in overlay)
     options: dict[str, Any] = field(default_factory=dict)  # baseline kvzip: SelectionConfig settings
     default: bool = True  # in a compare without --systems (opt-in: ablations, systems that train extra variants)
+    refines: str | None = None  # trained: the closed-form system it starts from (compare: paired Δ to it)
 
     def __post_init__(self) -> None:
         if self.kind == "trained" and self.regime is None and not self.overlay:
@@ -53,6 +54,8 @@ class System:
             raise ValueError(f"kvpress system {self.name!r} needs a press")
         if self.kind == "baseline" and not self.baseline:
             raise ValueError(f"baseline system {self.name!r} needs the name of its fit")
+        if self.refines is not None and self.kind != "trained":
+            raise ValueError(f"system {self.name!r}: only a trained system refines another")
         if self.regime is not None and self.regime not in REGIMES:
             raise ValueError(f"system {self.name!r}: unknown regime {self.regime!r}")
 
@@ -152,6 +155,28 @@ for _bits in (8, 4):
         register(System(f"{_name}@int{_bits}", "baseline", f"{_desc}, stored at int{_bits} (fp16 scale and zero "
                         "per 64 values, β bf16), as many pairs as the bytes buy", baseline="kvzip", bits=_bits,
                         options=_opts, default=_default))
+
+
+# The default state (kvzip_fit_qa@int4) refined by gradient steps that see it as stored (train.quant_aware:
+# keys, values and β rounded on their grid in every forward, straight-through gradient), so the trained
+# state is the stored one and starts from the quantization-aware fit instead of discarding it; and the
+# same regression refinement trained in float and rounded after (the ablation of quant_aware). Opt-in:
+# each trains a variant per budget.
+_QA_TRAIN = {"refine": True, "lambda_alpha": 0.1, "lambda_A": 1.0, "lambda_kl": 0.0, "peak_lr": 1e-3,
+             "samples": 12_000, "module": {"bits": 4}}
+for _name, _desc, _train in (
+        ("kvzip_train_qa@int4", "kvzip_fit_qa@int4 refined as stored (int4 keys/values, bf16 β, straight-through "
+         "gradient) by regression on the train pairs' captured targets, 12k query tokens", {**_QA_TRAIN, "quant_aware": True}),
+        ("kvzip_train_qa_fast@int4", "kvzip_train_qa@int4 at 10x the learning rate (1e-2): an int4 code flips "
+         "only once the float behind it crosses half a step", {**_QA_TRAIN, "quant_aware": True, "peak_lr": 1e-2}),
+        ("kvzip_train_qa_float@int4", "kvzip_train_qa@int4 trained in float and rounded after (no "
+         "quantization-aware steps)", {**_QA_TRAIN, "quant_aware": False}),
+        ("kvzip_distill_qa@int4", "kvzip_fit_qa@int4 refined as stored end to end by the KL to the full "
+         "model's top-K on the train pairs (240 pairs, batch 4)",
+         {"refine": True, "quant_aware": True, "lambda_alpha": 0.0, "lambda_A": 0.0, "lambda_kl": 1.0,
+          "samples": 240, "batch_size": 4, "peak_lr": 1e-3, "module": {"bits": 4}})):
+    register(System(_name, "trained", _desc, regime="kvzip", overlay={"train": _train}, default=False,
+                    refines="kvzip_fit_qa@int4"))
 
 
 # The β-free refit at the bits of an int4/int8 run: what `nectar serve RUN --engine vllm` serves for a module

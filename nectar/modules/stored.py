@@ -19,9 +19,15 @@ slots that pad a layer to its widest head cost nothing, and loading puts them ba
 """
 from __future__ import annotations
 
-import torch
+import contextlib
+from typing import Iterator
 
-from ..quantization import QuantizedTensor, dequantize, fake_quantize, quantize, quantized_nbytes, storage_bits
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+from ..quantization import (QuantizedTensor, dequantize, fake_quantize, quantize, quantized_nbytes, storage_bits,
+                            straight_through)
 from .budget import ragged_beta_bits
 from .builder import ModulePlan, NectarModule
 
@@ -157,6 +163,58 @@ def quantize_module_(module: NectarModule) -> NectarModule:
         if name in _param_names(module):
             p.copy_(fake_quantize(p.detach().float(), module.bits, module.quant_group))
     return module
+
+
+def parameter_bits(module: NectarModule) -> dict[str, int]:
+    """The precision ``quantize_module_`` rounds each parameter to (32: kept float32, 16: bf16, else
+    codes); a padded ragged layer's rows round as its stored real rows do (each row along d on its own)."""
+    if not is_ragged(module):
+        names = _param_names(module)
+        return {name: module.bits if name in names else 32 for name, _ in module.named_parameters()}
+    out = {}
+    for i, layer in enumerate(module.layers):
+        for name in ("W", "Z"):
+            out[f"layers.{i}.{name}"] = _ragged_bits(module, f"layers.{i}.{name}", (1, module.head_dim))
+        if layer.beta is not None:
+            stored = is_quantized(module) and module.bias_stored
+            out[f"layers.{i}.beta"] = _ragged_bits(module, f"layers.{i}.beta", (1,)) if stored else 32
+    return out
+
+
+class _AsStored(nn.Module):
+    """Parametrization: the parameter on its storage grid, straight-through to the float behind it."""
+
+    def __init__(self, bits: int, group: int):
+        super().__init__()
+        self.bits, self.group = bits, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return straight_through(x, self.bits, self.group)
+
+
+@contextlib.contextmanager
+def trained_as_stored(module: NectarModule) -> Iterator[NectarModule]:
+    """Quantization-aware training: inside, every read of a parameter stored below 32 bits gives its
+    rounded value (what ``quantize_module_`` will store), with a straight-through gradient to the float
+    parameter, which the optimizer keeps updating (sub-step moves accumulate until a code flips; a
+    state re-rounded after each step would lose them). On exit the float parameters are back in place
+    (``state_dict`` names unchanged); ``quantize_module_`` then stores exactly what the last forward
+    used. A no-op at 32 bits. Build the optimizer inside (it holds the same Parameter objects)."""
+    rounded = [(name, bits) for name, bits in parameter_bits(module).items() if bits < 32]
+    for name, bits in rounded:
+        owner, attr = _owner(module, name)
+        parametrize.register_parametrization(owner, attr, _AsStored(bits, module.quant_group), unsafe=True)
+    try:
+        yield module
+    finally:
+        for name, _ in rounded:
+            owner, attr = _owner(module, name)
+            parametrize.remove_parametrizations(owner, attr, leave_parametrized=False)
+
+
+def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
+    path, _, attr = name.rpartition(".")
+    return (module.get_submodule(path) if path else module), attr
 
 
 def quantized_parameters(module: NectarModule) -> dict[str, QuantizedTensor]:

@@ -247,6 +247,11 @@ class TrainConfig(FrozenConfig):
     # False: a closed-form quadrature init (attention_matching, evict, kvzip) IS the state — saved
     # without gradient steps (a quantized kvzip state keeps its quantization-aware fit)
     refine: bool = added_setting(True)
+    # below 32 bits: gradient steps see the parameters as stored — rounded onto their grid in every
+    # forward, straight-through gradient to float parameters rounded once more when saved
+    # (modules/stored.py ``trained_as_stored``), so a quantization-aware fit is refined, not discarded;
+    # False: trained in float, rounded after
+    quant_aware: bool = added_setting(False)
     # the targets' splits trained on: "train", or "train+recon" with the reconstruction spans
     # (targets.recon.capture must have captured them)
     splits: Literal["train", "train+recon", "recon"] = added_setting("train")

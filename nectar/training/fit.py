@@ -3,6 +3,7 @@ write the module, its spec and the training log (the train stage's work, callabl
 the stage, ``nectar compare`` and the distributed launcher)."""
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 from ..base_model import BaseLM
@@ -11,7 +12,7 @@ from ..baselines.init import init_quadrature, training_queries
 from ..layout import build_layout
 from ..modules.builder import NectarModule, build_module, plan_from_config
 from ..modules.io import make_spec, save_module
-from ..modules.stored import quantize_module_
+from ..modules.stored import quantize_module_, trained_as_stored
 from ..schemas.artifacts import TargetsHeader, TrainLogRow
 from ..schemas.base import stable_hash
 from ..schemas.config import TrainConfig
@@ -91,9 +92,12 @@ def fit(targets_url: str, cfg: TrainConfig, base: BaseLM, doc_kv, out_url: str,
     else:
         fingerprint = stable_hash({"train": cfg.cache_dict(), "plan": plan.to_dict(),
                                    "targets": h.model_dump(mode="json"), "data_tokens": int(data.offsets[-1])})
-        trainer = Trainer(module, plan.arch, data, base, cfg, f"{out_url.rstrip('/')}/checkpoints", fingerprint)
+        as_stored = trained_as_stored(module) if cfg.quant_aware else contextlib.nullcontext()
         try:
-            result = trainer.run(progress=progress, stop_after=stop_after)
+            with as_stored:  # the optimizer is built inside: it steps the float parameters behind the rounding
+                trainer = Trainer(module, plan.arch, data, base, cfg, f"{out_url.rstrip('/')}/checkpoints",
+                                  fingerprint)
+                result = trainer.run(progress=progress, stop_after=stop_after)
         finally:
             data.close()  # the prefetch thread
         s = result.state
@@ -104,7 +108,8 @@ def fit(targets_url: str, cfg: TrainConfig, base: BaseLM, doc_kv, out_url: str,
                   "train_items": result.schedule.n_items, "stopped_early": result.stopped_early}
         if result.stopped_early:
             return module, counts
-    quantize_module_(module)  # trained in float; stored and served on its train.module.bits grid
+    # stored and served on its train.module.bits grid (trained in float, or as stored: train.quant_aware)
+    quantize_module_(module)
     info = dist_info()
     spec = make_spec(module.cpu(), plan, base.name, base.weights_hash, h.doc_sha256, h.num_q_heads,
                      normalization={"enabled": plan.normalize_targets, "source": "train split targets"})

@@ -54,3 +54,30 @@ def test_without_kvpress_rows_there_is_no_difference():
     quality = {"probes": split_quality(sums, None, "probes")}
     assert differences_vs_kvpress([Job(none, None), Job(full, None), Job(ours, 0.05)], sums, sel, quality,
                                   EvaluateConfig()) == []
+
+
+def test_a_refined_state_is_compared_with_the_closed_form_state_it_starts_from():
+    """System.refines: kvzip_train_qa@int4 against kvzip_fit_qa@int4 at the same budget (and only there)."""
+    from nectar.comparison.run import differences_vs_start
+
+    rng = np.random.default_rng(1)
+    P = 12
+    pairs = [EvalPair(f"p{i}", "qa", ("probes",), (1, 2, 3), 1) for i in range(P)]
+    sel = Selection(pairs, {}, {"probes": [p.pair_id for p in pairs]})
+    none, full, fit, trained, distilled = resolve(["none", "full", "kvzip_fit_qa@int4", "kvzip_train_qa@int4",
+                                                   "kvzip_distill_qa@int4"])
+    jobs = [Job(none, None), Job(full, None), Job(fit, 0.01), Job(trained, 0.01), Job(trained, 0.05),
+            Job(distilled, 0.01)]
+    kl_none = rng.gamma(2.0, 1.0, size=P) * 20
+    share = {"kvzip_fit_qa@int4@0.01": 0.10, "kvzip_train_qa@int4@0.01": 0.07, "kvzip_train_qa@int4@0.05": 0.01,
+             "kvzip_distill_qa@int4@0.01": 0.13}
+    sums = {"none": _sums(kl_none), "full": _sums(np.zeros(P)), **{k: _sums(kl_none * v) for k, v in share.items()}}
+    cfg = EvaluateConfig()
+    quality = {"probes": split_quality(sums, None, "probes", cfg.bootstrap_resamples, cfg.seed)}
+    diffs = differences_vs_start(jobs, sums, sel, quality, cfg)
+    assert [(d["system"], d["reference"]) for d in diffs] == [  # the 0.05 state has no fit at 0.05 here
+        ("kvzip_train_qa@int4@0.01", "kvzip_fit_qa@int4@0.01"), ("kvzip_distill_qa@int4@0.01", "kvzip_fit_qa@int4@0.01")]
+    assert [round(d["delta_recovered_kl"], 6) for d in diffs] == [0.03, -0.03]
+    for d in diffs:  # every pair keeps the same share: the paired interval is the point
+        assert d["low"] == pytest.approx(d["delta_recovered_kl"]) == pytest.approx(d["high"]) and d["n_pairs"] == P
+    assert differences_vs_kvpress(jobs, sums, sel, quality, cfg) == []  # no press: only these

@@ -16,6 +16,7 @@ def test_registry_holds_the_issue_systems_once_each():
                              "kvzip_select_mean", "kvzip_fit", "kvzip_fit_layer", "kvzip_fit_recon",
                              "kvzip_fit_nosink", "kvzip_fit_template", "kvzip_fit_qa", "kvzip_train", "kvzip_train_recon",
                              "kvzip_distill", *quantized, *kvzip_quantized,
+                                 "kvzip_train_qa@int4", "kvzip_train_qa_fast@int4", "kvzip_train_qa_float@int4", "kvzip_distill_qa@int4",
                              "attention_matching_kv@int8", "attention_matching_kv@int4"]
     assert {s.name for s in SYSTEMS.values() if s.kind == "reference"} == {"none", "full"}
     for s in SYSTEMS.values():
@@ -23,7 +24,7 @@ def test_registry_holds_the_issue_systems_once_each():
         assert s.bits == (int(precision.removeprefix("int")) if precision and s.kind == "baseline" else 32)
         if s.kind == "trained":  # a regime's own system (at a precision), or kvzip's state refined under one
             module = s.overlay.get("train", {}).get("module", {})
-            assert s.regime == name or module["init"] == "kvzip"
+            assert s.regime in (name, "kvzip") or module["init"] == "kvzip"
             assert module.get("bits", 32) == (int(precision[3:]) if precision else 32)
         if s.kind == "baseline":
             assert s.baseline in (*BASELINES, "kvzip")  # a name fit_baseline (or fit_kvzip) accepts

@@ -175,3 +175,45 @@ def test_kvzip_int4_state_without_refinement_is_the_quantized_fit_saved_as_codes
         assert torch.equal(a.W.cpu(), b.W) and torch.equal(a.Z.cpu(), b.Z) and torch.equal(a.beta.cpu(), b.beta)
     with pytest.raises(TrainInputError, match="refine=false"):
         train(url, CFG.model_copy(update={"refine": False}), tiny_llama, kv, str(tmp_path / "mlp"))
+
+
+def test_kvzip_int4_state_refined_as_stored_keeps_its_grid_and_moves_off_the_fit(tiny_llama, targets, tmp_path):
+    """train.quant_aware: the int4 kvzip fit refined by gradient steps that see it as stored; the saved
+    state is on its grid (codes in the file), starts where the fit is (same step-0 held-out row) and
+    differs from it after the steps."""
+    from nectar.quantization import fake_quantize
+    from nectar.schemas.config import ProbesConfig, ReconConfig
+    from nectar.stages.recon import make_recon
+
+    url, layout, kv, sha = targets
+    spans = [(s.instruction, s.response)
+             for s in make_recon(DOC, ReconConfig(span_words=12, withheld_fraction=0.0), ProbesConfig(block_units=1))]
+    mcfg = ModuleConfig(arch="quadrature", rho=0.05, bias=True, init="kvzip", bits=4)
+    fit_only = CFG.model_copy(update={"refine": False, "module": mcfg})
+    train(url, fit_only, tiny_llama, kv, str(tmp_path / "fit"), document=DOC, spans=spans)
+    qat = CFG.model_copy(update={"quant_aware": True, "samples": 64, "peak_lr": 3e-2, "module": mcfg})
+    counts = train(url, qat, tiny_llama, kv, str(tmp_path / "qat"), document=DOC, spans=spans)
+    assert counts["steps"] == 4
+    assert any(k.endswith(".codes") for k in load_file(str(tmp_path / "qat" / "module.safetensors")))
+    fitted, _ = load_module(str(tmp_path / "fit"), tiny_llama, sha)
+    trained, _ = load_module(str(tmp_path / "qat"), tiny_llama, sha)
+    moved = 0
+    for a, b in zip(trained.layers, fitted.layers):
+        for name in ("W", "Z"):
+            x = getattr(a, name).detach().cpu()
+            assert torch.equal(fake_quantize(x, 4), x)  # on the int4 grid, as stored
+            moved += int((x != getattr(b, name).detach().cpu()).sum())
+    assert moved > 0
+
+
+def test_quant_aware_changes_nothing_at_32_bits(tiny_llama, targets, tmp_path):
+    url, layout, kv, sha = targets
+    cfg = CFG.model_copy(update={"samples": 32, "module": ModuleConfig(arch="quadrature", rho=0.1, bias=True,
+                                                                       init="attention_matching")})
+    a = train(url, cfg, tiny_llama, kv, str(tmp_path / "float"))
+    b = train(url, cfg.model_copy(update={"quant_aware": True}), tiny_llama, kv, str(tmp_path / "qat"))
+    assert a["train_loss"] == b["train_loss"] and a["heldout_loss"] == b["heldout_loss"]
+    ma, _ = load_module(str(tmp_path / "float"), tiny_llama, sha)
+    mb, _ = load_module(str(tmp_path / "qat"), tiny_llama, sha)
+    for (n, p), (_, r) in zip(ma.named_parameters(), mb.named_parameters()):
+        assert torch.equal(p, r), n
