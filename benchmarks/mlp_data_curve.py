@@ -30,9 +30,10 @@ import json
 import time
 from pathlib import Path
 
-from nectar.comparison.run import Job, open_for_compare, score_and_write, train_missing, variant_for
+from nectar.comparison.run import Job, check_ready, score_and_write, train_missing, variant_for
 from nectar.comparison.systems import SYSTEMS, trained_config
 from nectar.evaluation.plots import data_curve
+from nectar.orchestration.context import open_run
 from nectar.orchestration.document_run import run_here
 from nectar.schemas.artifacts import MetricsRow
 from nectar.schemas.config import PipelineConfig
@@ -115,10 +116,11 @@ def main() -> None:
     ap.add_argument("--rho", type=float, default=0.05)
     ap.add_argument("--out", default="docs/images")
     args = ap.parse_args()
-    ctx = open_for_compare(args.run_dir)
+    ctx = open_run(args.run_dir)  # its targets stage is redone (or resumed) here, then checked
     ctx.config = with_recon(ctx.config, args.passes)
     t0 = time.perf_counter()
     run_here(ctx, "targets", False)
+    check_ready(ctx)
     data = measure_data(ctx)
     result = {"run": args.run_dir, "rho": args.rho, "passes": args.passes, "data": data,
               "targets_s": time.perf_counter() - t0, "default": default_reference(args.run_dir), "points": []}
