@@ -52,12 +52,13 @@ def with_recon(config: PipelineConfig, passes: int) -> PipelineConfig:
                                      "evaluate": evaluate})
 
 
-def point_config(ctx, system: str, rho: float, n_tokens: int, pairs_per_token: float) -> PipelineConfig:
+def point_config(ctx, system: str, rho: float, n_tokens: int, pairs_per_token: float,
+                 max_samples: int) -> PipelineConfig:
     """``system``'s compare configuration, trained on the first ``n_tokens`` of train+recon."""
     cfg = trained_config(ctx.config, SYSTEMS[system], rho)
     t = cfg.train
-    if t.lambda_kl == 0:  # token batches: 20 epochs at small N, the preset's 60k samples from 3k
-        update = {"batch_size": 64, "samples": min(max(20 * n_tokens, 20_000), 60_000)}
+    if t.lambda_kl == 0:  # token batches: 20 epochs at small N, at most max_samples
+        update = {"batch_size": 64, "samples": min(max(20 * n_tokens, 20_000), max_samples)}
     else:  # pair batches of 4; the subset's pairs ≈ n_tokens / mean pair length
         pairs = max(1, round(n_tokens * pairs_per_token))
         update = {"batch_size": 4, "samples": max(240, 3 * pairs)}
@@ -82,28 +83,28 @@ def default_reference(run_dir: str) -> dict:
             for r in rows if r.model == "module" and r.split in SPLITS}
 
 
-def score_point(ctx, system: str, n_tokens: int, rho: float, pairs_per_token: float) -> list[dict]:
-    """Train (through the stage cache) and score one system at one N; the rows of its splits."""
-    config = point_config(ctx, system, rho, n_tokens, pairs_per_token)
+def point_job(ctx, system: str, n_tokens: int, rho: float, pairs_per_token: float, max_samples: int) -> Job:
+    """One system trained on the first ``n_tokens`` (its variant run directory; cached when trained)."""
+    config = point_config(ctx, system, rho, n_tokens, pairs_per_token, max_samples)
     name = f"{system}_n{n_tokens}"
-    job = Job(dataclasses.replace(SYSTEMS[system], name=name), rho, config, variant_for(ctx, name, config))
-    t0 = time.perf_counter()
-    train_missing([job], run_here)
-    wall = time.perf_counter() - t0
-    result = score_and_write(ctx, [Job(SYSTEMS["none"], None), Job(SYSTEMS["full"], None), job])
-    manifest = job.ctx.run.read_manifest("train")
-    rows = []
-    for r in result.rows:
-        if r.system != name or r.split not in SPLITS:
+    return Job(dataclasses.replace(SYSTEMS[system], name=name), rho, config, variant_for(ctx, name, config))
+
+
+def point_rows(jobs: dict[str, tuple[str, int, Job]], rows) -> list[dict]:
+    """The benchmark's points from compare's rows of the point jobs (test and probes)."""
+    out = []
+    for r in rows:
+        if r.system not in jobs or r.split not in SPLITS:
             continue
-        rows.append({"system": system, "n_target": n_tokens, "train_query_tokens": manifest.counts.get("train_query_tokens"),
-                     "samples": manifest.counts.get("samples"), "steps": manifest.counts.get("steps"),
-                     "train_s": manifest.duration_s, "wall_s": wall, "split": r.split, "n_pairs": r.n_pairs,
-                     "n_tokens": r.n_tokens, "recovered_kl": r.recovered_kl,
-                     "ci": [r.recovered_kl_ci_low, r.recovered_kl_ci_high], "kl_to_full": r.kl_to_full,
-                     "state_bytes": r.state_bytes, "peak_lr": config.train.peak_lr,
-                     "batch_size": config.train.batch_size, "run": job.ctx.run.root})
-    return rows
+        system, n, job = jobs[r.system]
+        counts = job.ctx.run.read_manifest("train").counts
+        out.append({"system": system, "n_target": n, "train_query_tokens": counts.get("train_query_tokens"),
+                    "samples": counts.get("samples"), "steps": counts.get("steps"), "train_s": r.train_seconds,
+                    "split": r.split, "n_pairs": r.n_pairs, "n_tokens": r.n_tokens, "recovered_kl": r.recovered_kl,
+                    "ci": [r.recovered_kl_ci_low, r.recovered_kl_ci_high], "kl_to_full": r.kl_to_full,
+                    "state_bytes": r.state_bytes, "peak_lr": job.config.train.peak_lr,
+                    "batch_size": job.config.train.batch_size, "run": job.ctx.run.root})
+    return out
 
 
 def main() -> None:
@@ -113,6 +114,7 @@ def main() -> None:
     ap.add_argument("--passes", type=int, default=12, help="reconstruction tilings captured (~2.5k tokens each)")
     ap.add_argument("--systems", default="regression,matching,distill", help="in this order, each over every N")
     ap.add_argument("--distill-max", type=int, default=10_000, help="distill only up to this N (146 tokens/s)")
+    ap.add_argument("--max-samples", type=int, default=60_000, help="cap on token-regime samples per point")
     ap.add_argument("--rho", type=float, default=0.05)
     ap.add_argument("--out", default="docs/images")
     args = ap.parse_args()
@@ -128,21 +130,33 @@ def main() -> None:
     total = data["train"]["tokens"] + data["recon"]["tokens"]
     pairs_per_token = (data["train"]["pairs"] + data["recon"]["pairs"]) / total
     out = Path(args.out)
-    # system by system, N growing: a benchmark stopped by the clock keeps whole curves
+    # all trainings first (system by system, N growing; each cached in its variant directory, so a
+    # benchmark stopped by the clock and re-run with the finished points only trains nothing), then
+    # one scoring pass: none and full are scored once for every point
+    jobs: dict[str, tuple[str, int, Job]] = {}
     for system in [s for s in args.systems.split(",") if s]:
         for n in [int(float(x)) for x in args.tokens.split(",") if x]:
             if system == "distill" and n > args.distill_max:
                 continue
-            result["points"] += score_point(ctx, system, min(n, total), args.rho, pairs_per_token)
-            for r in result["points"][-2:]:
-                print(f"{system} N={n}: {r['split']} recovered {100 * r['recovered_kl']:.1f} % "
-                      f"[{100 * r['ci'][0]:.1f}, {100 * r['ci'][1]:.1f}] ({r['train_query_tokens']} tokens, "
-                      f"{r['samples']} samples, train {r['train_s']:.0f}s)", flush=True)
-            (out / "mlp-data-curve.json").write_text(json.dumps(result, indent=1))
-            png = data_curve(result["points"], result["default"])
-            if png:
-                (out / "mlp-data-curve.png").write_bytes(png)
-
+            job = point_job(ctx, system, min(n, total), args.rho, pairs_per_token, args.max_samples)
+            t1 = time.perf_counter()
+            train_missing([job], run_here)
+            jobs[job.system.name] = (system, n, job)
+            print(f"trained {job.system.name} ({time.perf_counter() - t1:.0f}s here; "
+                  f"{job.ctx.run.read_manifest('train').duration_s:.0f}s its train stage)", flush=True)
+    ref = [Job(SYSTEMS["none"], None), Job(SYSTEMS["full"], None)]
+    t1 = time.perf_counter()
+    scored = score_and_write(ctx, ref + [j for _, _, j in jobs.values()])
+    result["score_s"] = time.perf_counter() - t1
+    result["points"] = point_rows(jobs, scored.rows)
+    for r in result["points"]:
+        print(f"{r['system']} N={r['n_target']}: {r['split']} recovered {100 * r['recovered_kl']:.1f} % "
+              f"[{100 * r['ci'][0]:.1f}, {100 * r['ci'][1]:.1f}] ({r['train_query_tokens']} tokens, "
+              f"{r['samples']} samples, train {r['train_s']:.0f}s)", flush=True)
+    (out / "mlp-data-curve.json").write_text(json.dumps(result, indent=1))
+    png = data_curve(result["points"], result["default"])
+    if png:
+        (out / "mlp-data-curve.png").write_bytes(png)
 
 if __name__ == "__main__":
     main()
