@@ -115,6 +115,7 @@ def main() -> None:
     ap.add_argument("--systems", default="regression,matching,distill", help="in this order, each over every N")
     ap.add_argument("--distill-max", type=int, default=10_000, help="distill only up to this N (146 tokens/s)")
     ap.add_argument("--max-samples", type=int, default=60_000, help="cap on token-regime samples per point")
+    ap.add_argument("--train-until", default=None, help="HH:MM UTC: points not trained by then are left out")
     ap.add_argument("--rho", type=float, default=0.05)
     ap.add_argument("--out", default="docs/images")
     args = ap.parse_args()
@@ -125,7 +126,8 @@ def main() -> None:
     check_ready(ctx)
     data = measure_data(ctx)
     result = {"run": args.run_dir, "rho": args.rho, "passes": args.passes, "data": data,
-              "targets_s": time.perf_counter() - t0, "default": default_reference(args.run_dir), "points": []}
+              "targets_s": time.perf_counter() - t0, "default": default_reference(args.run_dir), "points": [],
+              "skipped": []}
     print(f"data: {data} (targets {result['targets_s']:.0f}s)", flush=True)
     total = data["train"]["tokens"] + data["recon"]["tokens"]
     pairs_per_token = (data["train"]["pairs"] + data["recon"]["pairs"]) / total
@@ -139,6 +141,11 @@ def main() -> None:
             if system == "distill" and n > args.distill_max:
                 continue
             job = point_job(ctx, system, min(n, total), args.rho, pairs_per_token, args.max_samples)
+            if job.ctx.run.read_manifest("train") is None and args.train_until and \
+                    time.strftime("%H:%M", time.gmtime()) >= args.train_until:
+                result["skipped"].append(job.system.name)  # past the clock: not trained, not scored
+                print(f"skipped {job.system.name}: past --train-until {args.train_until} UTC", flush=True)
+                continue
             t1 = time.perf_counter()
             train_missing([job], run_here)
             jobs[job.system.name] = (system, n, job)
