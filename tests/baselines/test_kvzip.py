@@ -187,10 +187,11 @@ def test_quantization_aware_fit_beats_rounding_a_float_fit_on_its_own_queries(ti
     for aware in (True, False):
         st = fit_kvzip(base, layout, DOC, kv, None, qplan, SelectionConfig(fit_queries="recon", quant_aware=aware), spans)
         err = 0.0
-        for layer in range(base.num_layers):
-            q = cap.q[:, layer].transpose(0, 1).unsqueeze(0)  # [1, Hq, T, d]
-            got = st(layer, q, base.scaling)
-            err += float(((got.out[0].transpose(0, 1) - cap.A[:, layer]) ** 2).sum())
+        with torch.no_grad():  # the state's tensors require grad; only the error is read
+            for layer in range(base.num_layers):
+                q = cap.q[:, layer].transpose(0, 1).unsqueeze(0)  # [1, Hq, T, d]
+                got = st(layer, q, base.scaling)
+                err += float(((got.out[0].transpose(0, 1) - cap.A[:, layer]) ** 2).sum())
         errs[aware] = err
     assert errs[True] < errs[False]
 
