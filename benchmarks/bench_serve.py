@@ -3,7 +3,9 @@ base model with each document in the prompt (prefix caching on), on the same mac
 
 Sections:
   engine          in-process, the server's decode engine: one question at a time (batch 1, what
-                  ``nectar ask`` does) vs B questions per call — the batching figure (tokens/s ratio)
+                  ``nectar ask`` does) vs B questions per call — the batching figure (tokens/s ratio and
+                  tokens per CPU-second) — for each module form (--engine-forms: the floats kept at load,
+                  the codes dequantized every step, no module), rounds interleaving forms and sizes
   nectar serve    a real ``nectar serve`` process on 127.0.0.1 serving every document (one module
                   each, one base model), an API key on; N concurrent streaming ``openai`` clients for a
                   fixed time, each request to the next document in turn (requests of different
@@ -20,6 +22,7 @@ on 127.0.0.1, bounded by --duration per client count and --max-requests.
     python benchmarks/bench_serve.py                          # embedded SmolLM2-135M, 3 pydoc documents
     python benchmarks/bench_serve.py --model tiny --clients 1,8 --duration 5 --vllm off   # seconds
     python benchmarks/bench_serve.py --run-dir runs/pydoc-naming-*/cpu-*  # trained runs as they are
+    python benchmarks/bench_serve.py --run-dir RUN --engine-only --engine-rounds 3 --engine-forms kept,codes,none
 
 Without --run-dir each document's module is the run preset's architecture and budget with random
 weights (speed depends on the shapes alone; answers are not meaningful), saved in a temporary run
@@ -79,38 +82,70 @@ def make_run(model: str, document: str, root: Path) -> str:
 
 # ----- engine: batch B vs batch 1, in-process -----
 
-def engine_batching(run_dir: str, max_tokens: int, batch: int, rounds: int, module: bool = True) -> dict[str, float]:
-    """Tokens/s of the server's engine at batch 1 and at batch ``batch`` (the same prompts, every row
-    decoding its whole budget), interleaved ``rounds`` times; the median of each. ``module=False``:
-    the base model alone through the same engine (no document state), to split the step's cost."""
+# the module forms the engine section compares, in each round in this order (docs/deployment.md §13):
+# kept  a quantized module's floats dequantized once at load (what nectar serve holds by default)
+# codes the codes alone, dequantized in every decode step (nectar serve --codes-only; the old default)
+# none  the base model alone through the same engine (no document state): the step without the module
+# mkl   kept, with the engine's linear layers left on MKL (DecodeEngine(onednn=False)): the GEMM A/B
+ENGINE_FORMS = ("kept", "codes", "none", "mkl")
+
+
+def engine_batching(run_dir: str, max_tokens: int, batch: int, rounds: int,
+                    forms: tuple[str, ...] = ("kept", "codes")) -> dict[str, dict]:
+    """Per module form: tokens/s and tokens per CPU-second of the server's engine at batch 1 (the
+    prompts one after another) and at batch ``batch`` (one call), every row decoding its whole budget.
+    Rounds interleave every form and both sizes, so load that comes and goes falls on all of them;
+    medians over rounds. Also the batch-1 milliseconds per token and the greedy tokens' agreement."""
+    import psutil
+
     from nectar.attention.engine import DecodeEngine, Request
     from nectar.modules.provider import inference_provider
     from nectar.serving.loader import load_served_module
 
+    proc = psutil.Process()
+    rss0 = proc.memory_info().rss / 2**20
     served = load_served_module(run_dir)
-    provider = inference_provider(served.module, served.base.dtype) if module else None
-    engine = DecodeEngine(served.base, provider, served.n_context, stop_ids=())
+    providers = {"kept": lambda: inference_provider(served.module, served.base.dtype),
+                 "codes": lambda: inference_provider(served.module, served.base.dtype, keep_dequantized=False),
+                 "none": lambda: None,
+                 "mkl": lambda: inference_provider(served.module, served.base.dtype)}
+    engines, held = {}, {}
+    for f in forms:
+        provider = providers[f]()
+        held[f] = provider.module.resident_bytes if provider is not None else 0
+        engines[f] = DecodeEngine(served.base, provider, served.n_context, stop_ids=(), onednn=f != "mkl")
     prompts = [served.layout.prompt(QUESTIONS[i % len(QUESTIONS)]).ids for i in range(batch)]
-    engine.run([Request(p, 4) for p in prompts])  # warm-up at both sizes
-    engine.run([Request(prompts[0], 4)])
-    one, many, cpu_one, cpu_many = [], [], [], []
+    for e in engines.values():  # warm-up at both sizes
+        e.run([Request(p, 4) for p in prompts])
+        e.run([Request(prompts[0], 4)])
+    n = batch * max_tokens
+    raw = {f: {k: [] for k in ("w1", "c1", "wb", "cb")} for f in forms}
+    tokens, loads = {}, []
     for _ in range(rounds):
-        t, c = time.perf_counter(), time.process_time()
-        for p in prompts:
-            engine.run([Request(p, max_tokens)])
-        one.append(batch * max_tokens / (time.perf_counter() - t))
-        cpu_one.append(batch * max_tokens / (time.process_time() - c))
-        t, c = time.perf_counter(), time.process_time()
-        engine.run([Request(p, max_tokens) for p in prompts])
-        many.append(batch * max_tokens / (time.perf_counter() - t))
-        cpu_many.append(batch * max_tokens / (time.process_time() - c))
-    # tokens per CPU-second (this process's threads): what the other jobs on a shared machine take
-    # from the wall clock does not enter it (their effect on caches and memory bandwidth does)
-    return {"batch1_tok_s": statistics.median(one), f"batch{batch}_tok_s": statistics.median(many),
-            "ratio": statistics.median(many) / statistics.median(one), "rounds": rounds,
-            "ratios": [m / o for m, o in zip(many, one)],
-            "cpu_ratio": statistics.median(cpu_many) / statistics.median(cpu_one),
-            "batch1_tok_per_cpu_s": statistics.median(cpu_one), f"batch{batch}_tok_per_cpu_s": statistics.median(cpu_many)}
+        for f, e in engines.items():
+            t, c = time.perf_counter(), time.process_time()
+            one = [e.run([Request(p, max_tokens)]).tokens[0] for p in prompts]
+            raw[f]["w1"].append(time.perf_counter() - t)
+            raw[f]["c1"].append(time.process_time() - c)
+            t, c = time.perf_counter(), time.process_time()
+            many = e.run([Request(p, max_tokens) for p in prompts]).tokens
+            raw[f]["wb"].append(time.perf_counter() - t)
+            raw[f]["cb"].append(time.process_time() - c)
+            tokens[f] = (one, many)
+        loads.append(os.getloadavg()[0])
+    med = statistics.median
+    out = {}
+    for f, r in raw.items():
+        # tokens per CPU-second (this process's threads): what the other jobs on a shared machine take
+        # from the wall clock does not enter it (their effect on caches and memory bandwidth does)
+        out[f] = {"batch1_tok_s": n / med(r["w1"]), "batchB_tok_s": n / med(r["wb"]),
+                  "ratio": med(r["w1"]) / med(r["wb"]), "ratios": [a / b for a, b in zip(r["w1"], r["wb"])],
+                  "cpu_ratio": med(r["c1"]) / med(r["cb"]), "batch1_tok_per_cpu_s": n / med(r["c1"]),
+                  "batchB_tok_per_cpu_s": n / med(r["cb"]), "batch1_ms_per_token": 1000 * med(r["w1"]) / n,
+                  "held_bytes": held[f], "same_tokens_at_both_sizes": tokens[f][0] == tokens[f][1]}
+    out["_"] = {"rounds": rounds, "loads": loads, "rss_start_mib": rss0, "rss_end_mib": proc.memory_info().rss / 2**20,
+                "same_tokens_across_forms": len({repr(v) for f, v in tokens.items() if f != "none"}) <= 1}
+    return out
 
 
 # ----- servers -----
@@ -303,21 +338,30 @@ def print_rows(name: str, rows: list[dict]) -> None:
 
 
 def print_engine(args, eng: dict, run: str) -> None:
-    print(f"\nengine ({run}; {args.max_tokens} tokens per row, every row to its budget; median of "
-          f"{eng['rounds']} interleaved rounds): batch 1 {eng['batch1_tok_s']:.1f} tok/s, batch "
-          f"{args.engine_batch} {eng[f'batch{args.engine_batch}_tok_s']:.1f} tok/s: {eng['ratio']:.2f}x "
-          f"(rounds: {', '.join(f'{r:.2f}x' for r in eng['ratios'])}); per CPU-second: batch 1 "
-          f"{eng['batch1_tok_per_cpu_s']:.1f}, batch {args.engine_batch} "
-          f"{eng[f'batch{args.engine_batch}_tok_per_cpu_s']:.1f} tokens: {eng['cpu_ratio']:.2f}x", flush=True)
+    meta, B = eng["_"], args.engine_batch
+    print(f"\nengine ({run}; {B} prompts x {args.max_tokens} tokens, every row to its budget; median of "
+          f"{meta['rounds']} rounds interleaving the forms; load average (1 min) after each round: "
+          f"{', '.join(f'{x:.2f}' for x in meta['loads'])}; process RSS {meta['rss_start_mib']:.0f} -> "
+          f"{meta['rss_end_mib']:.0f} MiB; greedy tokens equal across module forms: "
+          f"{meta['same_tokens_across_forms']})", flush=True)
+    print(f"{'form':>6} {'held MB':>8} {'b1 tok/s':>9} {f'b{B} tok/s':>9} {'ratio':>6} {'b1 tok/cpu-s':>13} "
+          f"{f'b{B} tok/cpu-s':>13} {'cpu ratio':>9} {'b1 ms/tok':>9}  rounds")
+    for f, r in eng.items():
+        if f == "_":
+            continue
+        print(f"{f:>6} {r['held_bytes'] / 1e6:>8.2f} {r['batch1_tok_s']:>9.1f} {r['batchB_tok_s']:>9.1f} "
+              f"{r['ratio']:>5.2f}x {r['batch1_tok_per_cpu_s']:>13.1f} {r['batchB_tok_per_cpu_s']:>13.1f} "
+              f"{r['cpu_ratio']:>8.2f}x {r['batch1_ms_per_token']:>9.1f}  "
+              f"{', '.join(f'{x:.2f}x' for x in r['ratios'])}", flush=True)
 
 
 def bench_nectar(args, runs: list[str], counts: list[int], logs: Path) -> list[dict]:
     if args.engine_rounds:
-        print_engine(args, engine_batching(runs[0], args.max_tokens, args.engine_batch, args.engine_rounds), runs[0])
-        if args.engine_without_module:
-            print("  the base model alone (no document state):", end="")
-            print_engine(args, engine_batching(runs[0], args.max_tokens, args.engine_batch, args.engine_rounds,
-                                               module=False), runs[0])
+        forms = tuple(f for f in args.engine_forms.split(",") if f)
+        print_engine(args, engine_batching(runs[0], args.max_tokens, args.engine_batch, args.engine_rounds, forms),
+                     runs[0])
+        if args.engine_only:
+            return []
     import httpx
 
     server = start_nectar(runs, args.threads, args.max_batch, args.max_tokens, logs)
@@ -349,8 +393,11 @@ def main() -> None:
     ap.add_argument("--max-batch", type=int, default=32, help="both servers' running batch")
     ap.add_argument("--engine-batch", type=int, default=8)
     ap.add_argument("--engine-rounds", type=int, default=3, help="0: skip the engine section")
-    ap.add_argument("--engine-without-module", action="store_true",
-                    help="also the base model alone through the engine (splits the step's cost)")
+    ap.add_argument("--engine-forms", default="kept,codes",
+                    help=f"module forms of the engine section, comma-separated, of {','.join(ENGINE_FORMS)} "
+                         "(kept: floats kept at load, the default; codes: dequantized every step; none: the base "
+                         "model alone)")
+    ap.add_argument("--engine-only", action="store_true", help="the engine section alone (no servers)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--vllm", choices=["auto", "on", "off"], default="auto",
                     help="auto: when the managed venv exists (and --model embedded)")
@@ -365,6 +412,10 @@ def main() -> None:
     load = os.getloadavg()
     print(f"load before: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} ({os.cpu_count()} cores)", flush=True)
     counts = [int(x) for x in args.clients.split(",")]
+    unknown = set(args.engine_forms.split(",")) - set(ENGINE_FORMS) - {""}
+    if unknown:
+        raise SystemExit(f"--engine-forms: unknown form(s) {', '.join(sorted(unknown))}; choose from "
+                         f"{', '.join(ENGINE_FORMS)}")
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
         logs = Path(args.logs or tmp)
         logs.mkdir(parents=True, exist_ok=True)
@@ -375,8 +426,11 @@ def main() -> None:
         nectar_rows = [] if args.skip_nectar else bench_nectar(args, runs, counts, logs)
 
         python = vllm_python()
-        want_vllm = args.vllm == "on" or (args.vllm == "auto" and python is not None and args.model == "embedded")
-        if not want_vllm:
+        want_vllm = not args.engine_only and (args.vllm == "on" or (args.vllm == "auto" and python is not None
+                                                                     and args.model == "embedded"))
+        if args.engine_only:
+            print("\nservers: not run (--engine-only)")
+        elif not want_vllm:
             print(f"\nvllm: not run ({'--vllm off' if args.vllm == 'off' else f'no managed venv at {VLLM_VENV}' if python is None else 'tiny model'}); "
                   "the comparison is owed")
         else:

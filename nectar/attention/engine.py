@@ -20,7 +20,10 @@ temperature, top-p, seed and callbacks) runs as:
             (their prompts right-aligned with the running rows' caches, so every row still writes
             the same slot; leading slots no row uses any more are dropped at the merge);
   documents a request may carry its own document provider (``Request.doc``): rows of different
-            documents decode in the same steps, each layer asking every provider for its own rows.
+            documents decode in the same steps, each layer asking every provider for its own rows;
+  GEMMs     on a CPU in float32 the base model's linear layers with more than one row run through
+            oneDNN while the engine runs (``cpu_gemm.onednn_linears``: MKL's few-row GEMM is several
+            times slower per row there), so a batch of 8 costs what it should.
 
 ``generate`` keeps the old call (one set of sampling parameters, or a sequence per row).
 """
@@ -35,6 +38,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..base_model import BaseLM
+from .cpu_gemm import onednn_linears
 from .interface import DocStateProvider, nectar_attention
 from .local_cache import LocalKV
 from .sampling import SamplingParams, sample
@@ -110,12 +114,13 @@ class DecodeEngine:
     ``check_every``: decode steps between host reads of the sampled tokens (default: 1 on CPU, 8 on
     CUDA). ``cuda_graphs``: capture the decode step (default: on when the model is on CUDA).
     ``static_shapes``: the graph-capturable step without the capture (always on with graphs; tests
-    use it on CPU)."""
+    use it on CPU). ``onednn``: a float32 CPU model's multi-row linear layers through oneDNN while
+    the engine runs (``cpu_gemm``; False: MKL throughout, for A/B measurements)."""
 
     def __init__(self, base: BaseLM, provider: DocStateProvider | None, n: int,
                  stop_ids: Sequence[int] | None = None, check_every: int | None = None,
-                 cuda_graphs: bool | None = None, static_shapes: bool = False):
-        self.base, self.provider, self.n = base, provider, n
+                 cuda_graphs: bool | None = None, static_shapes: bool = False, onednn: bool = True):
+        self.base, self.provider, self.n, self.onednn = base, provider, n, onednn
         self.device = base.device
         on_cuda = self.device.type == "cuda"
         self.stop_ids = frozenset(default_stop_ids(base) if stop_ids is None else stop_ids)
@@ -159,7 +164,8 @@ class DecodeEngine:
         batch = _Batch(self, requests)
         current = _Current(batch)
         t0 = time.perf_counter()
-        with nectar_attention(self.base.model, current.doc_state, local_kv=current):
+        with nectar_attention(self.base.model, current.doc_state, local_kv=current), \
+                onednn_linears(self.base.model, self.onednn):
             logits = batch.prefill()
             tokens = batch.sample(logits, logits_hook)  # token 0 of every row
             batch.record(tokens)
@@ -191,7 +197,8 @@ class DecodeEngine:
         with self._lock:
             batch = _Batch(self, [Request(p, 1) for p in prompts])
             current = _Current(batch)
-            with nectar_attention(self.base.model, current.doc_state, local_kv=current):
+            with nectar_attention(self.base.model, current.doc_state, local_kv=current), \
+                    onednn_linears(self.base.model, self.onednn):
                 return batch.prefill()
 
 

@@ -19,8 +19,12 @@ arithmetic, is the cost (docs/design.md §12). ``fuse_module`` rewrites each lay
   the bound. Other architectures run the two chains one after the other;
 * weights are kept in the model's dtype (bf16/fp16 on GPU, where the GEMMs accumulate in fp32);
   the output layers run in float32, so the log-mass a — the merge weight — is fp32;
-* a quadrature module stored at ``bits`` < 32 (``train.module.bits``) keeps W, Z, β as packed codes
-  and dequantizes them at each call; an MLP module's parameters already sit on their quantization
+* a quadrature module stored at ``bits`` < 32 (``train.module.bits``) keeps W, Z, β as packed codes.
+  With ``keep_dequantized`` (the default) they are dequantized ONCE, at load, and the float weights
+  kept beside the codes: a decode step reads floats (``resident_bytes`` counts both, what a server's
+  LRU bound charges). Without it only the codes are held and every call dequantizes them (unpack,
+  scale, pad the ragged heads: half of a batch-1 CPU step for the cpu default, docs/deployment.md
+  §13) — for memory-tight deployments. An MLP module's parameters already sit on their quantization
   grid (modules/stored.py) and are folded as floats (its folds mix weights, so they can't stay packed).
 
 Training keeps ``LayerMLP`` (differentiable, parameters in normalised space); the fused form is a
@@ -191,26 +195,32 @@ class FusedLayerQuadrature:
     bias input; logits and lse in fp32.
 
     A module stored at ``bits`` < 32 is served from its stored form: W, Z and β stay packed integer
-    codes with fp16 scales and zeros (nectar/quantization.py) and are dequantized at every call, so
-    the layer holds the stored bytes, not a float copy."""
+    codes with fp16 scales and zeros (nectar/quantization.py). ``keep_dequantized``: their float form
+    is computed once (at construction and after ``to``) and kept in ``dequantized``; otherwise every
+    call dequantizes (``dequantizations`` counts the dequantizations of this layer)."""
 
     def __init__(self, layer: LayerQuadrature, dtype: torch.dtype, bits: int = 32, group: int = 64,
-                 counts: tuple[int, ...] = (), bias_stored: bool = True):
+                 counts: tuple[int, ...] = (), bias_stored: bool = True, keep_dequantized: bool = True):
         self.dtype, self.scaling = dtype, layer.scaling
         beta = layer.beta.detach().float() if layer.beta is not None else None
         self.packed: tuple[Stored, Stored, Stored | None] | None = None
+        self.keep_dequantized, self.dequantizations = keep_dequantized, 0
+        # (W·s transposed [H, d, p], Z [H, p, d], β [H, 1, p]) kept from the codes (keep_dequantized)
+        self.dequantized: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.counts, self.width = tuple(counts), layer.W.shape[1]  # heads of different widths: real pairs each
         if bits < 32 and self.counts:  # only the real pairs, as stored (modules/stored.py): β at bf16
             self.packed = (_stored(ragged(layer.W.detach().float(), self.counts), bits, group),
                            _stored(ragged(layer.Z.detach().float(), self.counts), bits, group),
                            ragged(beta, self.counts).to(torch.bfloat16) if beta is not None and bias_stored else None)
             self.Wt = self.Z = self.beta = self._zero_beta = None
+            self._keep()
             return
         if bits < 32:
             self.packed = (_stored(layer.W.detach().float(), bits, group), _stored(layer.Z.detach().float(), bits, group),
                            _stored(beta, bits, group) if beta is not None else None)
             self.Wt = self.Z = self.beta = None
             self._zero_beta = None if beta is not None else torch.zeros(layer.W.shape[0], 1, layer.W.shape[1])
+            self._keep()
             return
         self.Wt = (layer.W.detach().float() * layer.scaling).transpose(1, 2).contiguous().to(dtype)  # [H, d, p]
         self.Z = layer.Z.detach().to(dtype)  # [H, p, d]
@@ -221,14 +231,27 @@ class FusedLayerQuadrature:
         if self.packed is not None:
             self.packed = tuple(_stored_to(q, device) if q is not None else None for q in self.packed)
             self._zero_beta = self._zero_beta.to(device) if self._zero_beta is not None else None
+            if self.dequantized is not None:
+                self.dequantized = tuple(t.to(device) for t in self.dequantized)
             return self
         self.Wt, self.Z, self.beta = self.Wt.to(device), self.Z.to(device), self.beta.to(device)
         return self
+
+    def _keep(self) -> None:
+        if self.keep_dequantized:
+            self.dequantized = tuple(t.contiguous() for t in self._dequantize())
 
     def _weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(W·s transposed [H, d, p], Z [H, p, d]) in the layer dtype and β [H, 1, p] float32."""
         if self.packed is None:
             return self.Wt, self.Z, self.beta
+        if self.dequantized is not None:
+            return self.dequantized
+        return self._dequantize()
+
+    def _dequantize(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The weights from the packed codes (what ``_weights`` returns)."""
+        self.dequantizations += 1
         qW, qZ, qb = self.packed
         if self.counts:  # real pairs back to back → [H, width, ·], masked slots W = Z = 0, β = −inf
             W = padded(_values(qW), self.counts, self.width, 0.0)
@@ -247,9 +270,15 @@ class FusedLayerQuadrature:
             logits = torch.baddbmm(beta, q, Wt)  # [H, N, p], β added by the GEMM
         else:  # 16-bit weights: logits and β in float32
             logits = torch.bmm(q, Wt).float() + beta
-        a = torch.logsumexp(logits, dim=-1)  # [H, N]
-        A = torch.bmm(torch.softmax(logits, dim=-1).to(self.dtype), Z)  # [H, N, d]
-        return A, a
+        # one exp serves both: a = m + log Σ e and A = (e / Σ e)·Z with e = exp(logits − m), in place
+        # (logsumexp then softmax exponentiated the [H, N, p] logits twice: 19 % of the layer's time)
+        m = logits.amax(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).min)  # [H, N, 1]; all −inf: a = −inf
+        e = logits.sub_(m).exp_()  # [H, N, p]
+        s = e.sum(-1, keepdim=True)  # [H, N, 1]
+        a = (s.log() + m).squeeze(-1)  # [H, N] = logsumexp(logits)
+        if self.dtype == torch.float32:
+            return torch.bmm(e, Z).div_(s), a  # [H, N, d]: normalised after the GEMM (N·d, not N·p, divisions)
+        return torch.bmm(e.div_(s).to(self.dtype), Z), a
 
 
 Stored = QuantizedTensor | torch.Tensor  # packed codes, or float32 where codes would not save bytes
@@ -272,9 +301,18 @@ def _stored_to(x: Stored, device: torch.device) -> Stored:
 class FusedModule:
     """Every layer of a module in inference form; ``predict`` takes head-major queries."""
 
-    def __init__(self, layers: list, num_kv_heads: int, head_dim: int, scaling: float, nbytes: int):
+    def __init__(self, layers: list, num_kv_heads: int, head_dim: int, scaling: float, nbytes: int,
+                 resident_bytes: int | None = None):
         self.layers, self.num_kv_heads, self.head_dim, self.scaling = layers, num_kv_heads, head_dim, scaling
         self.nbytes = nbytes  # bytes read per evaluation of all layers (the bandwidth bound's term)
+        # bytes held: the codes AND the floats kept from them (keep_dequantized), what a server's LRU charges
+        self.resident_bytes = nbytes if resident_bytes is None else resident_bytes
+
+    @property
+    def dequantizations(self) -> int:
+        """Dequantizations of packed codes so far, all layers (one per quantized layer at load when the
+        floats are kept; one per layer per call when not)."""
+        return sum(getattr(layer, "dequantizations", 0) for layer in self.layers)
 
     @property
     def num_layers(self) -> int:
@@ -287,8 +325,10 @@ class FusedModule:
 
 @torch.no_grad()
 def fuse_module(module: NectarModule, dtype: torch.dtype | None = None,
-                device: torch.device | str | None = None) -> FusedModule:
-    """The inference form of ``module`` (weights in ``dtype``, default the module's own)."""
+                device: torch.device | str | None = None, keep_dequantized: bool = True) -> FusedModule:
+    """The inference form of ``module`` (weights in ``dtype``, default the module's own).
+    ``keep_dequantized``: a quantized module's float weights are computed once and kept beside its
+    codes (False: codes only, dequantized at every call)."""
     param = next(module.parameters())
     dtype = dtype or param.dtype
     device = torch.device(device) if device is not None else param.device
@@ -297,13 +337,14 @@ def fuse_module(module: NectarModule, dtype: torch.dtype | None = None,
         if isinstance(layer, LayerQuadrature):
             counts = module.head_pairs[i] if module.head_pairs else ()
             layers.append(FusedLayerQuadrature(layer, dtype, module.bits, module.quant_group, counts,
-                                               module.bias_stored).to(device))
+                                               module.bias_stored, keep_dequantized).to(device))
         else:
             norm = {name: getattr(module, name)[i].detach().float() for name in
                     ("q_mean", "q_std", "alpha_mean", "alpha_std", "A_mean", "A_std")}
             layers.append(FusedLayerMLP(layer, norm, dtype).to(device))
-    nbytes = sum(_tensor_bytes(layer) for layer in layers)
-    return FusedModule(layers, module.num_kv_heads, module.head_dim, module.scaling, nbytes)
+    nbytes = sum(_tensor_bytes(layer, reads=True) for layer in layers)
+    resident = sum(_tensor_bytes(layer, reads=False) for layer in layers)
+    return FusedModule(layers, module.num_kv_heads, module.head_dim, module.scaling, nbytes, resident)
 
 
 def _block_diag(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -324,8 +365,14 @@ def _chain_to(c: _Chain, device: torch.device) -> None:
     c.out_b = c.out_b.to(device) if c.out_b is not None else None
 
 
-def _tensor_bytes(layer) -> int:
+def _tensor_bytes(layer, reads: bool) -> int:
+    """Bytes of the layer's tensors: those a call reads (``reads``: the kept floats, not the codes
+    they came from), or every tensor it holds."""
     seen: list[torch.Tensor] = []
+    if reads and getattr(layer, "dequantized", None) is not None:
+        walk_from = [v for k, v in vars(layer).items() if k != "packed"]
+    else:
+        walk_from = list(vars(layer).values())
 
     def walk(obj) -> None:
         if isinstance(obj, torch.Tensor):
@@ -339,5 +386,6 @@ def _tensor_bytes(layer) -> int:
             for x in vars(obj).values():
                 walk(x)
 
-    walk(layer)
-    return sum(t.numel() * t.element_size() for t in seen)
+    walk(walk_from)
+    unique = {id(t): t for t in seen}.values()  # a tensor held twice (a shared zero β) counts once
+    return sum(t.numel() * t.element_size() for t in unique)

@@ -51,8 +51,10 @@ class FusedModuleDocState:
     q [b, hq, m, d] is regrouped to [hkv, b·g·m, d] (query head h reads KV head h // g), a view when
     b = m = 1 as in single-request decoding. Not differentiable: a snapshot of the weights."""
 
-    def __init__(self, module: NectarModule | FusedModule, dtype: torch.dtype | None = None):
-        self.module = module if isinstance(module, FusedModule) else fuse_module(module, dtype)
+    def __init__(self, module: NectarModule | FusedModule, dtype: torch.dtype | None = None,
+                 keep_dequantized: bool = True):
+        self.module = module if isinstance(module, FusedModule) else fuse_module(
+            module, dtype, keep_dequantized=keep_dequantized)
 
     def __call__(self, layer: int, q: torch.Tensor, scaling: float) -> AttnState:
         m = self.module
@@ -64,9 +66,11 @@ class FusedModuleDocState:
         return AttnState(out.float(), lse)
 
 
-def inference_provider(module: NectarModule, dtype: torch.dtype | None = None) -> FusedModuleDocState:
-    """The provider to decode with: the fused module (weights in ``dtype``, default the module's)."""
-    return FusedModuleDocState(module, dtype)
+def inference_provider(module: NectarModule, dtype: torch.dtype | None = None,
+                       keep_dequantized: bool = True) -> FusedModuleDocState:
+    """The provider to decode with: the fused module (weights in ``dtype``, default the module's; a
+    quantized module's floats kept beside its codes unless ``keep_dequantized`` is False)."""
+    return FusedModuleDocState(module, dtype, keep_dequantized)
 
 
 def group_queries(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:

@@ -277,7 +277,12 @@ def serve_cmd(
     max_body_bytes: int = typer.Option(1_000_000, help="Largest request body (413 beyond)."),
     max_stop: int = typer.Option(4, help="Stop strings per request (400 beyond)."),
     max_module_bytes: int = typer.Option(2_000_000_000, help="Modules kept in memory, in bytes (least recently "
-                                         "used dropped beyond; reloaded when asked for again)."),
+                                         "used dropped beyond; reloaded when asked for again). Counts what a "
+                                         "loaded module holds: a quantized module's codes and its float weights."),
+    keep_dequantized: bool = typer.Option(True, "--keep-dequantized/--codes-only", help="A quantized module's "
+                                          "float weights, dequantized once at load, kept beside its codes; "
+                                          "--codes-only: the codes alone (several times fewer bytes per document, "
+                                          "every decode step dequantizes them: slower, docs/deployment.md §13)."),
     batch_wait_ms: float = typer.Option(5.0, help="How long a new batch waits for more requests."),
     shutdown_timeout: float = typer.Option(120.0, help="On SIGTERM, wait this long for in-flight requests."),
     served_name: Optional[List[str]] = typer.Option(None, help="Model id clients send, one per run in order "
@@ -315,7 +320,7 @@ def serve_cmd(
         limits = ServeLimits(max_batch=max_batch, max_queue=max_queue, max_tokens=max_tokens,
                              max_prompt_tokens=max_prompt_tokens, max_body_bytes=max_body_bytes,
                              max_stop=max_stop, batch_wait_ms=batch_wait_ms, shutdown_timeout_s=shutdown_timeout,
-                             max_module_bytes=max_module_bytes)
+                             max_module_bytes=max_module_bytes, keep_dequantized=keep_dequantized)
     except ValidationError as exc:
         err = exc.errors()[0]
         flag = {"shutdown_timeout_s": "shutdown_timeout"}.get(str(err["loc"][0]), str(err["loc"][0]))

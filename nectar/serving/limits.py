@@ -29,6 +29,8 @@ class ServeLimits(FrozenConfig):
     batch_wait_ms: float = Field(5.0, ge=0, description="how long a new batch waits for company")
     shutdown_timeout_s: float = Field(120.0, gt=0, description="SIGTERM: wait this long for in-flight requests")
     max_module_bytes: int = Field(2_000_000_000, ge=1, description="modules kept loaded (LRU) before dropping one")
+    keep_dequantized: bool = Field(True, description="a quantized module's float weights kept beside its codes "
+                                   "(counted against max_module_bytes); False: codes only, dequantized every step")
 
 
 @dataclass(frozen=True)

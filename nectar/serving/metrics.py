@@ -46,7 +46,7 @@ class _Live:
         for model in self.registry.names:
             g.add_metric([model], 1 if model in loaded else 0)
         yield g
-        g = GaugeMetricFamily("nectar_module_bytes_loaded", "Bytes of the modules in memory.")
+        g = GaugeMetricFamily("nectar_module_bytes_loaded", "Bytes of the modules in memory (a quantized module: its codes and the floats kept from them).")
         g.add_metric([], self.registry.loaded_bytes)
         yield g
         g = GaugeMetricFamily("nectar_module_loads", "Module loads since start (evicted and asked again: loaded again).")

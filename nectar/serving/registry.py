@@ -4,8 +4,11 @@ A module is MBs where the document's KV cache is tens of MBs to GBs, so one proc
 model once and any number of documents. At start every run is opened (config, document, module
 spec, prompt layout: no weights) and checked to use the same base model as the first one; a
 module's weights are loaded the first time a request asks for its model id, and the loaded modules
-are kept under a byte bound, least recently used dropped first. A row that is decoding keeps its
-module alive until it ends, so the bound can be passed by the modules of rows in flight.
+are kept under a byte bound, least recently used dropped first. The bytes charged are what the
+loaded module holds (``FusedModule.resident_bytes``): for a quantized module its codes AND the float
+weights dequantized once at load (``keep_dequantized``, the default: no per-step dequantization), or
+its codes alone (``keep_dequantized=False``: each decode step dequantizes). A row that is decoding
+keeps its module alive until it ends, so the bound can be passed by the modules of rows in flight.
 """
 from __future__ import annotations
 
@@ -89,8 +92,9 @@ class ModuleRegistry:
     """The base model, the served documents by model id, and their modules loaded on demand (LRU,
     bounded in bytes). Thread-safe: requests ask for providers from worker threads."""
 
-    def __init__(self, base: BaseLM, documents: list[ServedDocument], max_module_bytes: int):
-        self.base, self.max_module_bytes = base, max_module_bytes
+    def __init__(self, base: BaseLM, documents: list[ServedDocument], max_module_bytes: int,
+                 keep_dequantized: bool = True):
+        self.base, self.max_module_bytes, self.keep_dequantized = base, max_module_bytes, keep_dequantized
         self.documents = {d.name: d for d in documents}
         self._loaded: OrderedDict[str, FusedModuleDocState] = OrderedDict()
         self._lock = threading.Lock()
@@ -109,7 +113,7 @@ class ModuleRegistry:
     @property
     def loaded_bytes(self) -> int:
         with self._lock:
-            return sum(self.documents[n].spec.module_bytes for n in self._loaded)
+            return self._bytes()
 
     def provider(self, name: str) -> FusedModuleDocState:
         """The document's module as a decode provider, loading it (and dropping the least recently
@@ -120,7 +124,7 @@ class ModuleRegistry:
                 return self._loaded[name]
             doc = self.documents[name]
             module, _ = load_module(doc.module_url, self.base, doc.doc_sha256, device=self.base.device)
-            provider = inference_provider(module, self.base.dtype)  # the fused module, as nectar ask
+            provider = inference_provider(module, self.base.dtype, self.keep_dequantized)  # as nectar ask
             self._loaded[name] = provider
             self.loads += 1
             while len(self._loaded) > 1 and self._bytes() > self.max_module_bytes:
@@ -129,10 +133,11 @@ class ModuleRegistry:
             return provider
 
     def _bytes(self) -> int:
-        return sum(self.documents[n].spec.module_bytes for n in self._loaded)
+        return sum(p.module.resident_bytes for p in self._loaded.values())
 
 
-def open_registry(runs: list[ServedRun], names: list[str] | None, max_module_bytes: int) -> ModuleRegistry:
+def open_registry(runs: list[ServedRun], names: list[str] | None, max_module_bytes: int,
+                  keep_dequantized: bool = True) -> ModuleRegistry:
     """Check the runs (one base model, distinct model ids), load the base model, read the specs."""
     if names and len(names) != len(runs):
         raise ServedRunsError(f"--served-name given {len(names)} times for {len(runs)} runs; give one per run "
@@ -155,4 +160,4 @@ def open_registry(runs: list[ServedRun], names: list[str] | None, max_module_byt
             raise ModuleMismatch(f"{d.module_url}: module was trained for base model {d.spec.base_model!r} "
                                  f"(weights hash {d.spec.base_model_hash}), the loaded model's weights hash "
                                  f"is {base.weights_hash}")
-    return ModuleRegistry(base, documents, max_module_bytes)
+    return ModuleRegistry(base, documents, max_module_bytes, keep_dequantized)

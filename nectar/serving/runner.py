@@ -107,7 +107,7 @@ def serve(runs: list[ServedRun], sock: socket.socket, limits: ServeLimits | None
     return_freed_buffers()
     limits = limits or ServeLimits()
     host = sock.getsockname()[0]
-    registry = open_registry(runs, names, limits.max_module_bytes)
+    registry = open_registry(runs, names, limits.max_module_bytes, limits.keep_dequantized)
     app = create_app(registry, limits, keys)
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=int(limits.shutdown_timeout_s),
                             timeout_keep_alive=5)

@@ -6,6 +6,8 @@ at most 4e-7 over these architectures). With bfloat16 weights (the GPU form) the
 output layer stays float32, agrees to 1e-2 of its magnitude and A to 2e-2 (measured 2.3e-3 and
 4.2e-3: bf16 keeps 8 mantissa bits through four hidden layers).
 """
+import dataclasses
+
 import pytest
 import torch
 
@@ -99,25 +101,54 @@ def test_fused_bfloat16_weights_keep_float32_outputs():
     _close(fA.transpose(0, 1), A, 2e-2)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_quantized_quadrature_served_from_its_codes_matches_its_dequantized_float_copy(bits):
-    """A state stored at int8/int4: the fused layer keeps only packed codes + fp16 scales and zeros
-    (its bytes are the stored bytes) and dequantizes per call; the training form holds the same values
-    as floats. Same tolerance as the float32 fusion (the values are identical, only sums reorder)."""
+def _quantized_quadrature(bits: int, ragged: bool = False):
     plan = plan_module("quadrature", num_layers=2, num_kv_heads=3, head_dim=64, n_context=600, scaling=0.125,
                        rho=0.1, layer_multipliers=(1.0, 2.0), quad_bias=True, bits=bits)
+    if ragged:  # heads of different widths, as KVzip's selection leaves them (modules/stored.py)
+        plan = dataclasses.replace(plan, quad_head_pairs=tuple((p, p - 7, p - 20) for p in plan.quad_pairs))
     module = build_module(plan)
     with torch.no_grad():
         for layer in module.layers:
             layer.beta.normal_(0, 2.0)
             layer.Z.normal_(0, 1.0)
     quantize_module_(module)
-    fused, q = fuse_module(module), torch.randn(40, 3, 64) * 2
+    return module
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_quadrature_served_from_its_codes_matches_its_dequantized_float_copy(bits):
+    """A state stored at int8/int4, fused with ``keep_dequantized=False``: the layer keeps only packed
+    codes + fp16 scales and zeros (its bytes are the stored bytes) and dequantizes per call; the
+    training form holds the same values as floats. Same tolerance as the float32 fusion (the values are
+    identical, only sums reorder)."""
+    module = _quantized_quadrature(bits)
+    fused, q = fuse_module(module, keep_dequantized=False), torch.randn(40, 3, 64) * 2
     assert fused.layers[0].packed is not None and fused.layers[0].Wt is None
-    assert fused.nbytes == stored_nbytes(module)  # the stored codes, not a float copy
+    assert fused.nbytes == fused.resident_bytes == stored_nbytes(module)  # the stored codes, not a float copy
     with torch.no_grad():
         for layer in range(2):
             A, a = module.predict(layer, q)
             fA, fa = fused.predict(layer, q.transpose(0, 1))
             _close(fA.transpose(0, 1), A, 2e-5)
             _close(fa.transpose(0, 1), a, 2e-5)
+    assert fused.dequantizations == 2  # one per call
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_kept_dequantized_weights_are_computed_once_and_give_the_codes_answers(ragged):
+    """The default fused form dequantizes each layer's codes once, at fusion, and keeps the floats:
+    calls read them (no dequantization per call) and answer exactly what dequantizing per call does;
+    it holds the codes and the floats (``resident_bytes``), and a call reads the floats (``nbytes``)."""
+    module = _quantized_quadrature(4, ragged)
+    kept, codes = fuse_module(module), fuse_module(module, keep_dequantized=False)
+    assert kept.dequantizations == 2  # one per layer, at fusion
+    q = torch.randn(3, 40, 64) * 2  # [H, N, d] head-major
+    with torch.no_grad():
+        for _ in range(3):
+            for layer in range(2):
+                (A, a), (cA, ca) = kept.predict(layer, q), codes.predict(layer, q)
+                assert torch.equal(A, cA) and torch.equal(a, ca)
+    assert kept.dequantizations == 2 and codes.dequantizations == 6
+    floats = sum(t.numel() * t.element_size() for layer in kept.layers for t in layer.dequantized)
+    assert kept.nbytes == floats and kept.resident_bytes == stored_nbytes(module) + floats
+    assert floats > 4 * stored_nbytes(module)  # int4 codes: the kept floats are the larger part

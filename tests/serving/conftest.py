@@ -27,7 +27,7 @@ DOC2 = ("The orchard at Kessel Farm was planted in 1902 by the brothers Anton an
         "Lindau for twice the usual price.")
 
 
-def build_served_run(root: Path, text: str = DOC) -> str:
+def build_served_run(root: Path, text: str = DOC, overrides: tuple[str, ...] = ()) -> str:
     from nectar import orchestration
     from nectar.orchestration.executor import run_stage
     from nectar.schemas import DatasetRow, load_config
@@ -35,7 +35,7 @@ def build_served_run(root: Path, text: str = DOC) -> str:
 
     doc = root / ("lighthouse.txt" if text == DOC else "orchard.txt")
     doc.write_text(text)
-    ctx = orchestration.prepare_run(str(doc), load_config("tiny", overrides=["train.samples=200"]), str(root / "run"))
+    ctx = orchestration.prepare_run(str(doc), load_config("tiny", overrides=["train.samples=200", *overrides]), str(root / "run"))
     orchestration.run_chunk(ctx)
     rows = [DatasetRow(pair_id=f"p{i}", chunk_id=0, task="qa", instruction=q, response=a, full_answer=a,
                        judge_raw="{}", is_consistent=True, confidence=0.9, reasoning="", verdict="consistent",
@@ -60,6 +60,16 @@ def served_run(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def second_run(tmp_path_factory) -> str:
     return build_served_run(tmp_path_factory.mktemp("served2"), DOC2)
+
+
+# the cpu default's kind of module on the tiny model: a KVzip-fitted quadrature state stored at int4
+INT4_QUADRATURE = ("train.module.arch=quadrature", "train.module.bits=4", "train.module.init=kvzip",
+                   "train.module.bias=true", "train.module.rho=0.05")
+
+
+@pytest.fixture(scope="session")
+def int4_run(tmp_path_factory) -> str:
+    return build_served_run(tmp_path_factory.mktemp("served_int4"), overrides=INT4_QUADRATURE)
 
 
 @pytest.fixture(scope="session")

@@ -75,7 +75,7 @@ def test_modules_past_the_byte_bound_are_dropped_least_recently_used_first(serve
     runs = [open_served_run(served_run), open_served_run(second_run)]
     probe = open_registry(runs, None, 2_000_000_000)
     a, b = probe.names
-    one = max(d.spec.module_bytes for d in probe.documents.values())
+    one = max(probe.provider(n).module.resident_bytes for n in probe.names)  # what a loaded module holds
     small = open_registry(runs, None, one)  # room for one module
     pa = small.provider(a)
     assert small.provider(a) is pa and small.loads == 1  # a hit, no reload
