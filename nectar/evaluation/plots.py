@@ -187,3 +187,36 @@ def allocation_heatmap(states: dict[str, Sequence[Sequence[int]]]) -> bytes | No
     fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)
     return buf.getvalue()
+
+
+def data_curve(points: Sequence[dict], reference: dict | None = None) -> bytes | None:
+    """Recovered KL (95 % CI) against the training query tokens, one line per system, one panel per
+    split (benchmarks/mlp_data_curve.py). ``points``: dicts with system, split, train_query_tokens,
+    recovered_kl and ci [low, high]; ``reference``: {split: {recovered_kl, ci}} drawn flat (the
+    run's default state); 0 is no document, 100 the full KV cache."""
+    splits = [s for s in ("test", "probes") if any(p["split"] == s for p in points)]
+    if not splits:
+        return None
+    fig, axes = plt.subplots(1, len(splits), figsize=(5.2 * len(splits), 4.2), squeeze=False)
+    systems = list(dict.fromkeys(p["system"] for p in points))
+    colors = {s: plt.get_cmap("tab10")(i % 10) for i, s in enumerate(systems)}
+    for ax, split in zip(axes[0], splits):
+        for system in systems:
+            pts = sorted((p for p in points if p["split"] == split and p["system"] == system),
+                         key=lambda p: p["train_query_tokens"])
+            x = [p["train_query_tokens"] for p in pts]
+            y = np.array([100 * p["recovered_kl"] for p in pts])
+            err = [y - [100 * p["ci"][0] for p in pts], [100 * p["ci"][1] for p in pts] - y]
+            ax.errorbar(x, y, yerr=err, fmt="o-", capsize=3, color=colors[system], label=system)
+        ref = (reference or {}).get(split)
+        if ref:
+            ax.axhline(100 * ref["recovered_kl"], color="tab:red", lw=1, ls="--", label="cpu default (int4)")
+        ax.axhline(0, color="gray", lw=1, ls=":", label="none (no document)")
+        ax.axhline(100, color="black", lw=1, ls=":", label="full KV cache")
+        ax.set_xscale("log")
+        ax.set_xlabel("training query tokens")
+        ax.set_ylabel("KL recovered, % (95% CI over pairs)")
+        n = next((p["n_pairs"] for p in points if p["split"] == split), None)
+        ax.set_title(f"{split} ({n} pairs)" if n else split)
+        ax.legend(fontsize=7, loc="best")  # the curves sit low and high: where they leave room
+    return _png(fig)

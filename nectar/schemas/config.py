@@ -161,6 +161,10 @@ class ReconConfig(FrozenConfig):
     # 0.1 measures generalisation (`--set targets.recon.withheld_fraction=0.1`, docs/quality.md).
     withheld_fraction: float = Field(0.0, ge=0, lt=1)
     seed: int = 0
+    # Tilings of the document: pass 1 is the one above; each further pass tiles it again with other
+    # span boundaries, span lengths and cue lengths (drawn from seed and the pass number), so more
+    # reconstruction queries can be captured as training data (docs/quality.md, "The MLP with data").
+    passes: int = added_setting(1, ge=1, le=1000)
 
 
 class TargetsConfig(FrozenConfig):
@@ -255,6 +259,10 @@ class TrainConfig(FrozenConfig):
     # the targets' splits trained on: "train", or "train+recon" with the reconstruction spans
     # (targets.recon.capture must have captured them)
     splits: Literal["train", "train+recon", "recon"] = added_setting("train")
+    # Train on a nested subset: whole pairs of ``splits`` (each split in turn, its pairs in an order
+    # drawn from seed) up to this many query tokens; None trains on all of them. Raising it only adds
+    # pairs (training/data.py limit_query_tokens; the data curve of docs/quality.md).
+    max_query_tokens: int | None = added_setting(None, ge=1)
     batch_size: int = 32
     ref_batch_size: int = 4
     peak_lr: float = 1e-4

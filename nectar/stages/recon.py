@@ -45,26 +45,48 @@ def withheld_units(n_units: int, recon: ReconConfig, probes: ProbesConfig) -> se
 
 
 def make_recon(text: str, recon: ReconConfig, probes: ProbesConfig) -> list[ReconSpan]:
-    """The reconstruction spans of ``text`` in document order (withheld units excluded)."""
+    """The reconstruction spans of ``text``: pass after pass, each in document order (withheld units
+    excluded from every pass). Pass 0 is ``tile(span_words, cue_words)`` from the first unit; pass
+    p ≥ 1 draws (from seed and p) a span length in [span_words/2, 3·span_words/2], a cue length in
+    [cue_words/2, 2·cue_words] and a shorter first span, so its boundaries fall elsewhere."""
     units = split_units(text)
     withheld = withheld_units(len(units), recon, probes)
+    spans: list[ReconSpan] = []
+    for p in range(recon.passes):
+        span_words, cue_words, first_words = recon.span_words, recon.cue_words, recon.span_words
+        if p > 0:
+            rng = random.Random(f"recon-pass/{recon.seed}/{p}")
+            span_words = rng.randint(max(4, recon.span_words // 2), recon.span_words * 3 // 2)
+            cue_words = rng.randint(max(1, recon.cue_words // 2), recon.cue_words * 2)
+            first_words = rng.randint(1, span_words)
+        spans += _tile(text, units, withheld, span_words, first_words, cue_words, p)
+    return spans
+
+
+def _tile(text: str, units: list[Unit], withheld: set[int], span_words: int, first_words: int,
+          cue_words: int, p: int) -> list[ReconSpan]:
+    """One pass: spans of whole units of at least ``span_words`` words (the first ``first_words``)."""
     spans: list[ReconSpan] = []
     current: list[Unit] = []
     for u in units + [None]:
         ends = u is None or u.index in withheld
         if u is not None and not ends:
             current.append(u)
-        if current and (ends or sum(x.n_words for x in current) >= recon.span_words):
-            spans.append(_span(text, current, recon.cue_words, len(spans)))
+        if current and (ends or sum(x.n_words for x in current) >= (span_words if spans else first_words)):
+            spans.append(_span(text, current, cue_words, _span_id(p, len(spans))))
             current = []
     return spans
 
 
-def _span(text: str, units: list[Unit], cue_words: int, i: int) -> ReconSpan:
+def _span_id(p: int, i: int) -> str:
+    return f"recon-{i:05d}" if p == 0 else f"recon-p{p:03d}-{i:05d}"  # pass 0: the ids before passes
+
+
+def _span(text: str, units: list[Unit], cue_words: int, span_id: str) -> ReconSpan:
     start = units[0].start
     before = text[:start].split()
     instruction = FIRST if not before else NEXT.format(cue=" ".join(before[-cue_words:]))
-    return ReconSpan(f"recon-{i:05d}", instruction, text[start:units[-1].end], units[0].index, units[-1].index)
+    return ReconSpan(span_id, instruction, text[start:units[-1].end], units[0].index, units[-1].index)
 
 
 def recon_dataset_rows(spans: list[ReconSpan]) -> list[DatasetRow]:

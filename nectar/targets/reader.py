@@ -265,4 +265,4 @@ class TargetsData:
         return total
 
     def pair_tokens(self, pair_index: np.ndarray) -> int:
-        return int(sum(self.offsets[p + 1] - self.offsets[p] for p in pair_index))
+        return int(np.diff(self.offsets)[np.asarray(pair_index, dtype=np.int64)].sum())

@@ -132,6 +132,38 @@ class TokenStream:
         return out
 
 
+UNUSED_SPLIT = -1  # pair_split code of pairs a ``limit_query_tokens`` subset leaves out (in no split)
+
+
+def subset_pairs(data: TargetsData, split: str, max_tokens: int, seed: int) -> np.ndarray:
+    """Pairs of ``split`` kept by ``limit_query_tokens``: each named split in turn ("train+recon":
+    train first), its pairs in a seeded order, while the running total of query tokens stays within
+    ``max_tokens`` (at least one pair). Nested: a larger ``max_tokens`` keeps a superset."""
+    order = [p for name in split.split("+")
+             for p in _seeded(data.pairs(name), np.random.default_rng([seed, SPLIT_SEED[name]]))]
+    lengths = np.diff(data.offsets)[np.asarray(order, dtype=np.int64)]
+    keep = max(1, int(np.searchsorted(np.cumsum(lengths), max_tokens, side="right")))
+    return np.sort(np.asarray(order[:keep], dtype=np.int64))
+
+
+SPLIT_SEED = {"train": 0, "recon": 1}
+
+
+def _seeded(pairs: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    return pairs[rng.permutation(len(pairs))]
+
+
+def limit_query_tokens(data: TargetsData, split: str, max_tokens: int, seed: int) -> int:
+    """Leave every pair of ``split`` outside ``subset_pairs`` out of training (its split code becomes
+    ``UNUSED_SPLIT`` in this reader only; the store is not touched), so the data streams, the
+    normalisation statistics and the closed-form inits all see the subset. Returns its tokens."""
+    keep = subset_pairs(data, split, max_tokens, seed)
+    drop = np.setdiff1d(data.pairs(split), keep)
+    data.pair_split = data.pair_split.copy()
+    data.pair_split[drop] = UNUSED_SPLIT
+    return data.pair_tokens(keep)
+
+
 def shard_for_rank(batch: np.ndarray, rank: int, world_size: int) -> np.ndarray:
     """This rank's share of a global batch (strided, so shares differ in size by at most one)."""
     return batch[rank::world_size]

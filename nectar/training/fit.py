@@ -20,7 +20,7 @@ from ..tables import write_table
 from ..targets.online import OnlineTargets
 from ..targets.reader import TargetsData
 from ..targets.store import targets_zarr_url
-from .data import target_statistics
+from .data import limit_query_tokens, target_statistics
 from .distributed import barrier, dist_info
 from .loop import Trainer
 
@@ -56,6 +56,9 @@ def fit(targets_url: str, cfg: TrainConfig, base: BaseLM, doc_kv, out_url: str,
     if "recon" in cfg.splits and len(data.pairs("recon")) == 0:
         raise TrainInputError(f"train.splits={cfg.splits!r} but the targets hold no reconstruction spans: "
                               "set targets.recon.capture=true (and rerun the targets stage)")
+    train_tokens = data.pair_tokens(data.pairs(cfg.splits))
+    if cfg.max_query_tokens is not None:  # a nested subset of the training pairs (the data curve)
+        train_tokens = limit_query_tokens(data, cfg.splits, cfg.max_query_tokens, cfg.seed)
     plan = plan_from_config(cfg.module, h.num_layers, h.num_kv_heads, h.head_dim, h.n_context, h.scaling)
     if plan.arch == "quadrature":
         if doc_kv is None:
@@ -118,7 +121,7 @@ def fit(targets_url: str, cfg: TrainConfig, base: BaseLM, doc_kv, out_url: str,
         write_table(f"{out_url.rstrip('/')}/train_log.parquet", rows, TrainLogRow)
     barrier(info)
     module.to(base.device)
-    counts.update(n_params=spec.n_params, module_bytes=spec.module_bytes, kv_cache_bytes=spec.kv_cache_bytes,
+    counts.update(train_query_tokens=train_tokens, n_params=spec.n_params, module_bytes=spec.module_bytes, kv_cache_bytes=spec.kv_cache_bytes,
                   kv_over_module=round(spec.kv_cache_bytes / spec.module_bytes, 2), **_final_metrics(rows))
     return module, counts
 

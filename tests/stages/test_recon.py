@@ -57,3 +57,23 @@ def test_the_default_reconstructs_the_whole_document_and_withholding_is_opt_in()
     assert held and not held & partial and held | partial == set(range(n_units))
     sel = Selection([], {}, {"probes": ["a", "b"]})
     assert with_subset(sel, "probes", "probes_withheld", set(), EvaluateConfig()) is sel
+
+
+def test_further_passes_retile_the_document_and_pass_one_is_unchanged():
+    # passes=1 is the reconstruction before passes existed (ids, spans); each further pass covers every
+    # unit again with other boundaries, and the setting stays out of cache keys at its default.
+    probes = ProbesConfig(block_units=1)
+    one = make_recon(DOC, ReconConfig(span_words=40), probes)
+    three = make_recon(DOC, ReconConfig(span_words=40, passes=3), probes)
+    assert three[:len(one)] == one and [s.span_id for s in one] == [f"recon-{i:05d}" for i in range(len(one))]
+    assert len({s.span_id for s in three}) == len(three)
+    n_units = len(split_units(DOC))
+    bounds = []
+    for p in (1, 2):
+        spans = [s for s in three if s.span_id.startswith(f"recon-p{p:03d}-")]
+        assert {u for s in spans for u in range(s.first_unit, s.last_unit + 1)} == set(range(n_units))
+        assert all(s.response in DOC for s in spans)
+        bounds.append([s.first_unit for s in spans])
+    assert [s.first_unit for s in one] not in bounds  # the later passes cut the document elsewhere
+    assert "passes" not in ReconConfig().cache_dict() and ReconConfig(passes=2).cache_dict()["passes"] == 2
+    assert make_recon(DOC, ReconConfig(span_words=40, passes=3), probes) == three  # deterministic

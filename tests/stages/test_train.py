@@ -20,6 +20,8 @@ from nectar.schemas.config import ModuleConfig, TrainConfig  # noqa: E402
 from nectar.stages.train import TRAIN_OUTPUTS, train  # noqa: E402
 from nectar.training.fit import TrainInputError  # noqa: E402
 from nectar.tables import read_table  # noqa: E402
+from nectar.targets.reader import TargetsData  # noqa: E402
+from nectar.training.data import subset_pairs  # noqa: E402
 
 CFG = TrainConfig(samples=96, batch_size=16, eval_every=3, checkpoint_every=3, peak_lr=3e-3,
                   module=ModuleConfig(rho=0.25, depths=(0, 2, 2)))
@@ -217,3 +219,21 @@ def test_quant_aware_changes_nothing_at_32_bits(tiny_llama, targets, tmp_path):
     mb, _ = load_module(str(tmp_path / "qat"), tiny_llama, sha)
     for (n, p), (_, r) in zip(ma.named_parameters(), mb.named_parameters()):
         assert torch.equal(p, r), n
+
+
+def test_max_query_tokens_trains_on_the_nested_subset_only(tiny_llama, targets, tmp_path):
+    # the data curve's points: the count of query tokens trained on is the subset's, a module differs
+    # from the one trained on everything, and the setting is out of the cache key at its default
+    url, *_ = targets
+    data = TargetsData(f"{url}/targets.zarr")
+    everything = data.pair_tokens(data.pairs("train"))
+    cfg = CFG.model_copy(update={"max_query_tokens": everything // 2})
+    counts = train(url, cfg, tiny_llama, None, str(tmp_path / "half"))
+    assert counts["train_query_tokens"] == data.pair_tokens(subset_pairs(data, "train", everything // 2, 0))
+    assert 0 < counts["train_query_tokens"] <= everything // 2
+    full = train(url, CFG, tiny_llama, None, str(tmp_path / "all"))
+    assert full["train_query_tokens"] == everything
+    a = load_file(str(tmp_path / "half" / "module.safetensors"))
+    b = load_file(str(tmp_path / "all" / "module.safetensors"))
+    assert any(not torch.equal(a[k], b[k]) for k in a)
+    assert "max_query_tokens" not in CFG.cache_dict() and cfg.cache_dict()["max_query_tokens"] == everything // 2

@@ -6,7 +6,8 @@ import torch
 
 from nectar.tables import ArtifactError
 from nectar.targets.reader import TargetsData
-from nectar.training.data import batch_items, shard_for_rank, stream, target_statistics
+from nectar.training.data import (batch_items, limit_query_tokens, shard_for_rank, stream, subset_pairs,
+                                  target_statistics)
 
 
 @pytest.fixture(scope="module")
@@ -154,3 +155,32 @@ def test_streaming_memory_does_not_grow_with_the_store(tmp_path):
     assert big[0] < 2 * big[4] < 0.2 * big[1]
     for peak, value_bytes, reads, n_chunks, _ in (small, big):
         assert reads <= n_chunks + 4  # chunk-aligned: every chunk read about once per epoch
+
+
+def test_query_token_subsets_are_nested_whole_pairs_within_the_cap(tiny_targets):
+    data = TargetsData(tiny_targets[0] + "/targets.zarr")
+    lengths = np.diff(data.offsets)
+    total = int(lengths[data.pairs("train")].sum())
+    kept = [subset_pairs(data, "train", n, seed=0) for n in (1, total // 3, total // 2, total)]
+    assert len(kept[0]) == 1  # below one pair's length: still one pair
+    for small, large in zip(kept, kept[1:]):
+        assert set(small) <= set(large)
+    for n, k in zip((total // 3, total // 2), kept[1:3]):
+        assert lengths[k].sum() <= n < lengths[k].sum() + lengths[data.pairs("train")].max()
+    assert set(kept[-1]) == set(data.pairs("train"))
+    assert not np.array_equal(subset_pairs(data, "train", total // 2, seed=1), kept[2]) or len(kept[2]) <= 1
+
+
+def test_limit_query_tokens_leaves_the_rest_out_of_every_reader_view(tiny_targets):
+    data = TargetsData(tiny_targets[0] + "/targets.zarr")
+    test_before = data.pairs("test").copy()
+    half = int(np.diff(data.offsets)[data.pairs("train")].sum()) // 2
+    tokens = limit_query_tokens(data, "train", half, seed=0)
+    kept = data.pairs("train")
+    assert np.array_equal(kept, subset_pairs(TargetsData(tiny_targets[0] + "/targets.zarr"), "train", half, 0))
+    assert tokens == data.pair_tokens(kept) <= half and np.array_equal(data.pairs("test"), test_before)
+    s = stream(data, "train", by_pairs=False, seed=0)
+    assert s.n_items == tokens  # the token stream visits only the subset
+    allowed = set(data.tokens("train").tolist())
+    assert set(s.batch(0, tokens).tolist()) == allowed
+    assert (TargetsData(tiny_targets[0] + "/targets.zarr").pair_split >= 0).all()  # the store is untouched
