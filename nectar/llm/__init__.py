@@ -29,7 +29,11 @@ def make_backend(llm_cfg: LLMConfig, base_model_cfg: ModelConfig) -> ChatBackend
             return VLLMBackend(base_url=llm_cfg.base_url, model=llm_cfg.model, **_client_args(llm_cfg))
         try:
             server = _managed_server(llm_cfg, base_model_cfg)
-            return VLLMBackend.managed(server, **_client_args(llm_cfg))
+            # auto: when the server can't be kept up, the local loop finishes the stage
+            local_cfg = llm_cfg.model_copy(update={"backend": "local"})
+            fallback = (lambda: make_backend(local_cfg, base_model_cfg)) if llm_cfg.backend == "auto" else None
+            return VLLMBackend.managed(server, max_restarts=llm_cfg.max_server_restarts, fallback=fallback,
+                                       **_client_args(llm_cfg))
         except VLLMError as exc:
             if llm_cfg.backend == "vllm":
                 raise
@@ -75,7 +79,8 @@ def server_spec(llm_cfg: LLMConfig, base_model_cfg: ModelConfig):
     else:
         path = name
     return ServerSpec(model=path, served_name=name, dtype=llm_cfg.server_dtype, max_model_len=llm_cfg.max_model_len,
-                      kv_cache_gib=llm_cfg.kv_cache_gib, port=llm_cfg.port, compile=llm_cfg.server_compile)
+                      kv_cache_gib=llm_cfg.kv_cache_gib, port=llm_cfg.port, compile=llm_cfg.server_compile,
+                      execute_timeout_s=llm_cfg.execute_timeout_s)
 
 
 def _managed_server(llm_cfg: LLMConfig, base_model_cfg: ModelConfig):

