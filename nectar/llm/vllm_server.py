@@ -21,6 +21,7 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -60,6 +61,18 @@ def venv_dir() -> Path:
 
 def venv_python() -> Path:
     return venv_dir() / "bin" / "python"
+
+
+def compile_cache_dir() -> Path:
+    """torch.compile's (inductor's) cache for the managed servers: under ~/.cache/nectar, not inductor's
+    default /tmp/torchinductor_<user>, so the warm-up at setup survives a /tmp cleanup and "a fresh
+    machine" (an empty ~/.cache) really starts cold."""
+    return Path(os.environ.get("NECTAR_VLLM_COMPILE_CACHE", venv_dir().parent / "vllm-compile-cache"))
+
+
+def cache_entries(path: Path) -> int:
+    """Files in a compile cache (a start that adds none compiled nothing)."""
+    return sum(len(files) for _, _, files in os.walk(path)) if path.exists() else 0
 
 
 def _pins() -> tuple[str, ...]:
@@ -170,6 +183,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 # What vLLM's log says when its engine is gone while the API process may still be up.
 _DEATH_MARKERS = ("EngineDeadError", "Engine core proc EngineCore_DP0 died", "EngineCore encountered a fatal error")
 
+_INIT_ENGINE = re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s")
+
 _LIVE: set["VLLMServer"] = set()
 _LIVE_LOCK = threading.Lock()
 
@@ -187,6 +202,7 @@ class VLLMServer:
         self.port: int | None = None
         self.version: str | None = None
         self.startup_s: float | None = None
+        self.compile_info: dict = {}
         self.restarts: list[dict] = []  # {"reason", "at", "startup_s"}: for the stage manifest
         self.generation = 0  # bumped by every restart: backends sharing the server restart it once
         self.last_exit: int | None = None
@@ -220,10 +236,12 @@ class VLLMServer:
                # object has no attribute 'finalize_loading'") and it compiles again (~100-340 s);
                # torch.compile's own cache (the non-AOT path) is reused across starts.
                "VLLM_USE_AOT_COMPILE": os.environ.get("VLLM_USE_AOT_COMPILE", "0"),
-               "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": str(self.spec.execute_timeout_s)}
+               "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": str(self.spec.execute_timeout_s),
+               "TORCHINDUCTOR_CACHE_DIR": str(compile_cache_dir())}
         env.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # vLLM's own binding pins to cores others use
         env.pop("PYTHONPATH", None)  # the venv's packages, not this project's
         started = time.monotonic()
+        entries_before = cache_entries(compile_cache_dir()) if self.spec.compile else 0
         self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         with open(self.log_path, "ab") as log:
             log.write(f"$ {python} {' '.join(self.spec.args(port))}\n".encode())
@@ -240,7 +258,17 @@ class VLLMServer:
             raise
         self.startup_s = round(time.monotonic() - started, 1)
         self.version = self._get_json("/version").get("version")
+        self.compile_info = self._compile_info(entries_before)
         return self
+
+    def _compile_info(self, entries_before: int) -> dict:
+        """What this start compiled: the engine's init seconds (profile + KV cache + compile warm-up, as
+        vLLM logs them) and how many files it added to the compile cache (0: all loaded from it)."""
+        match = _INIT_ENGINE.search(self._own_log())
+        info = {"compiled": self.spec.compile, "init_engine_s": float(match.group(1)) if match else None}
+        if self.spec.compile:
+            info["cache_entries_added"] = cache_entries(compile_cache_dir()) - entries_before
+        return info
 
     def _choose_port(self) -> int:
         if self.spec.port == 0:
@@ -363,7 +391,7 @@ class VLLMServer:
         return {"backend": "vllm", "server_version": self.version, "model": self.spec.model,
                 "served_name": self.spec.served_name, "dtype": self.spec.dtype,
                 "max_model_len": self.spec.max_model_len, "url": self.url, "startup_s": self.startup_s,
-                "compile": self.spec.compile, "restarts": list(self.restarts), "log": str(self.log_path)}
+                "compile": self.compile_info, "restarts": list(self.restarts), "log": str(self.log_path)}
 
 
 def stop_all() -> None:

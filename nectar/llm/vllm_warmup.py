@@ -6,31 +6,30 @@ batch of one, a long prefill). Done in the middle of a run, that compile is what
 of a busy machine's first run (vLLM's 300 s execute timeout). ``warm_up`` does it at setup instead,
 visibly: it starts the server the run will start (same spec, so the same cache entries), drives a
 long prefill and every decode batch size from the run's concurrency down to 1 through it, and stops
-it. A stamp (``~/.cache/nectar/vllm-warm.json``) records which spec was warmed and what it cost; the
-compile lines of the server's log say whether a start compiled or loaded from the cache.
+it. A stamp in the compile cache records which spec was warmed and what it cost. A
+start's ``compile_info`` says whether it compiled: the files it added to the compile cache
+(``~/.cache/nectar/vllm-compile-cache``; 0 when everything loaded from it) and vLLM's own
+"init engine … took" seconds.
 """
 from __future__ import annotations
 
 import concurrent.futures
 import json
-import re
 import time
 import urllib.request
 from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
-from .vllm_server import ServerSpec, VLLMServer, venv_dir
+from .vllm_server import ServerSpec, VLLMServer, cache_entries, compile_cache_dir
 
-# What vLLM 0.32 logs when it compiles a graph, and when it loads one from torch.compile's cache.
-COMPILED = re.compile(r"Compiling a graph for .* takes ([\d.]+) s")
-LOADED = re.compile(r"Directly load the compiled graph|load the compiled graph\(s\) for .* from the cache")
 _FILLER = ("The committee met on the third day to review the harbour accounts, the lamp oil ledgers and "
            "the keepers' rotas, and it recorded every decision in the minute book. ")
 
 
 def stamp_path() -> Path:
-    return venv_dir().parent / "vllm-warm.json"
+    """Beside the cache it describes: deleting the cache deletes the claim that it is warm."""
+    return compile_cache_dir() / "nectar-warm-up.json"
 
 
 def _spec_key(spec: ServerSpec) -> dict:
@@ -38,19 +37,15 @@ def _spec_key(spec: ServerSpec) -> dict:
 
 
 def warmed(spec: ServerSpec) -> dict | None:
-    """The stamp of an earlier warm-up of this spec, or None (never warmed, or for another spec)."""
+    """The stamp of an earlier warm-up of this spec whose cache is still there, or None (never warmed,
+    warmed for another spec, or the compile cache was deleted since: warm again)."""
     try:
         stamp = json.loads(stamp_path().read_text())
     except (OSError, ValueError):
         return None
-    return stamp if stamp.get("spec") == _spec_key(spec) else None
-
-
-def compile_events(log_text: str) -> dict:
-    """How many graphs a start compiled (and their seconds) and how many it loaded from the cache."""
-    compiled = [float(m.group(1)) for m in COMPILED.finditer(log_text)]
-    return {"compiled_graphs": len(compiled), "compile_s": round(sum(compiled), 1),
-            "loaded_from_cache": len(LOADED.findall(log_text))}
+    if stamp.get("spec") != _spec_key(spec) or cache_entries(compile_cache_dir()) < stamp.get("cache_entries", 1):
+        return None
+    return stamp
 
 
 def warm_up(spec: ServerSpec, log_path: Path, concurrency: int, prompt_tokens: int = 2400,
@@ -71,14 +66,16 @@ def warm_up(spec: ServerSpec, log_path: Path, concurrency: int, prompt_tokens: i
         _ask(server, [f"Count to {k + 2}: " for k in range(concurrency)],
              max_tokens=[2 * (k + 1) for k in range(concurrency)], progress=echo)
         warm_s = time.monotonic() - drive
-        events = compile_events(server._own_log())
+        start_info = dict(server.compile_info)
     result = {"spec": _spec_key(spec), "mode": mode, "start_s": server.startup_s, "warm_s": round(warm_s, 1),
-              "total_s": round(time.monotonic() - began, 1), **events,
+              "total_s": round(time.monotonic() - began, 1), "start": start_info,
+              "cache_entries": cache_entries(compile_cache_dir()), "cache": str(compile_cache_dir()),
               "at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "log": str(log_path)}
+    stamp_path().parent.mkdir(parents=True, exist_ok=True)
     stamp_path().write_text(json.dumps(result, indent=1))
-    echo(f"vllm warm-up: done in {result['total_s']:.0f} s (start {result['start_s']:.0f} s, batches "
-         f"{result['warm_s']:.0f} s; {events['compiled_graphs']} graph(s) compiled in {events['compile_s']:.0f} s, "
-         f"{events['loaded_from_cache']} loaded from the cache)")
+    echo(f"vllm warm-up: done in {result['total_s']:.0f} s (start {result['start_s']:.0f} s, of which vLLM's "
+         f"engine init {start_info.get('init_engine_s')} s; batches {result['warm_s']:.0f} s; compile cache "
+         f"{result['cache_entries']} files in {result['cache']})")
     return result
 
 

@@ -238,3 +238,23 @@ def test_nectar_run_survives_its_vllm_engine_killed_mid_synthesis(tmp_path):
     assert len(restarts) >= 1 and restarts[0]["reason"], manifest["counts"]["llm"]
     time.sleep(1)
     assert not [p for p in servers + [killed] if Path(f"/proc/{p}").exists() and "vllm" in _cmdline(p)]
+
+
+@pytest.mark.slow
+@LONG
+def test_a_server_start_after_the_setup_warm_up_compiles_nothing(tmp_path, monkeypatch):
+    """`nectar llm setup`'s warm-up fills the compile cache; the run's start of the same spec then adds
+    not one file to it (everything loaded), where the warm-up's own start was free to compile."""
+    from nectar.llm.vllm_server import cache_entries, compile_cache_dir
+    from nectar.llm.vllm_warmup import warm_up, warmed
+
+    monkeypatch.setenv("NECTAR_VLLM_COMPILE_CACHE", str(tmp_path / "compile-cache"))  # cold, this test's own
+    spec = ServerSpec(model=server_spec(LLM, EMBEDDED).model, served_name="embedded:smollm2-135m", kv_cache_gib=1.0,
+                      max_num_seqs=8, compile=True)
+    lines: list[str] = []
+    stamp = warm_up(spec, tmp_path / "warm.log", concurrency=8, prompt_tokens=600, echo=lines.append)
+    assert stamp["start"]["cache_entries_added"] > 0  # the cold start compiled into the cache
+    assert any("decode batches of 8 down to 1" in line for line in lines) and lines[-1].startswith("vllm warm-up: done")
+    assert warmed(spec) is not None and cache_entries(compile_cache_dir()) == stamp["cache_entries"]
+    with VLLMServer(spec, tmp_path / "run.log") as server:
+        assert server.compile_info["cache_entries_added"] == 0, server.compile_info
