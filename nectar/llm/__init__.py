@@ -23,6 +23,7 @@ def make_backend(llm_cfg: LLMConfig, base_model_cfg: ModelConfig) -> ChatBackend
     one line, when vLLM can't be set up or started."""
     if llm_cfg.backend in ("vllm", "auto"):
         from .vllm_backend import VLLMBackend
+        from .notices import say
         from .vllm_server import VLLMError
 
         if llm_cfg.backend == "vllm" and llm_cfg.base_url:
@@ -37,7 +38,7 @@ def make_backend(llm_cfg: LLMConfig, base_model_cfg: ModelConfig) -> ChatBackend
         except VLLMError as exc:
             if llm_cfg.backend == "vllm":
                 raise
-            print(f"llm: vLLM unavailable, using the local backend ({exc})", flush=True)
+            say(f"llm: vLLM unavailable, using the local backend ({exc})")
         llm_cfg = llm_cfg.model_copy(update={"backend": "local"})
     if llm_cfg.backend == "local":
         from ..base_model import load_base_model

@@ -14,6 +14,7 @@ import threading
 from pathlib import Path
 from typing import Iterator
 
+from .notices import say
 from .vllm_server import ServerSpec, VLLMError, VLLMServer
 
 
@@ -33,13 +34,13 @@ class ServerPool:
                 return server
             log = self.log_dir / f"vllm-{len(self.servers) + len(self.failed)}.log"
             server = VLLMServer(spec, log)
-            print(f"vllm: starting a server for {spec.model} (log {log})", flush=True)
+            say(f"vllm: starting a server for {spec.model} (log {log})")
             try:
                 server.start()
             except VLLMError as exc:
                 self.failed[spec] = exc
                 raise
-            print(f"vllm: {server.version} serving at {server.url} after {server.startup_s} s", flush=True)
+            say(f"vllm: {server.version} serving at {server.url} after {server.startup_s} s")
             self.servers[spec] = server
             return server
 

@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 
 from .openai_backend import OpenAIBackend
 from .types import ChatBackend, ChatRequest, ChatResult, LLMUnavailableError, OnResult, Progress
+from .notices import say
 from .vllm_server import ServerDeadError, VLLMError, VLLMServer
 
 
@@ -113,15 +114,15 @@ class VLLMBackend(OpenAIBackend):
         """Restart the server unless its restarts are spent; False when it can't be kept up."""
         if len(self.server.restarts) >= self.max_restarts:
             return False
-        print(f"vllm: the managed server died ({reason}); restarting it "
-              f"({len(self.server.restarts) + 1} of at most {self.max_restarts}) to ask {n_pending} "
-              f"unanswered request(s) again (log {self.server.log_path})", flush=True)
+        say(f"vllm: the managed server died ({reason}); restarting it "
+            f"({len(self.server.restarts) + 1} of at most {self.max_restarts}) to ask {n_pending} "
+            f"unanswered request(s) again (log {self.server.log_path})")
         try:
             self.server.restart(reason, generation)
         except VLLMError as exc:
-            print(f"vllm: the restart failed: {exc}", flush=True)
+            say(f"vllm: the restart failed: {exc}")
             return False
-        print(f"vllm: serving again at {self.server.url} after {self.server.startup_s} s", flush=True)
+        say(f"vllm: serving again at {self.server.url} after {self.server.startup_s} s")
         return True
 
     def _finish_elsewhere(self, requests: list[ChatRequest], pending: list[int],
@@ -129,8 +130,7 @@ class VLLMBackend(OpenAIBackend):
         message = self.server.death_message(reason)
         if self.fallback is None:
             raise ServerDeadError(f"{message}. The answers received are saved; {_resume_hint()}")
-        print(f"llm: {message}; finishing the {len(pending)} remaining request(s) on the local backend",
-              flush=True)
+        say(f"llm: {message}; finishing the {len(pending)} remaining request(s) on the local backend")
         self.server.stop()
         local = self.fallback()
         self.fell_back = {"to": getattr(local, "name", "local"), "reason": message, "requests": len(pending)}

@@ -67,7 +67,7 @@ def test_a_server_that_dies_mid_fan_out_is_restarted_and_every_request_answered_
     assert server.running and server.proc.pid != first_pid
     [restart] = backend.describe()["restarts"]
     assert "EngineDeadError" in restart["reason"] or "exited with code 1" in restart["reason"]
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     assert "the managed server died" in out and "restarting it (1 of at most 2)" in out
 
 
@@ -94,7 +94,7 @@ def test_auto_finishes_on_the_local_backend_and_says_so(fake_vllm, tiny, capsys)
     assert [r.text for r in results[:2]] == ["0 noitseuq", "1 noitseuq"]  # the server's, kept
     fell = backend.describe()["fallback"]
     assert fell["to"] == "local" and fell["requests"] == 4 and "died" in fell["reason"]
-    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("llm: ")]
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("llm: ")]
     assert len(lines) == 1 and "finishing the 4 remaining request(s) on the local backend" in lines[0]
     assert not server.running
 

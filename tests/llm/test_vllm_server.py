@@ -112,7 +112,7 @@ def test_a_port_in_use_is_a_one_line_error(tmp_path):
 def test_auto_falls_back_to_local_in_one_line_and_vllm_refuses(capsys):
     auto = make_backend(LLMConfig(backend="auto"), ModelConfig(name="tiny:llama"))
     assert auto.name == "local"
-    out = capsys.readouterr().out.strip().splitlines()
+    out = capsys.readouterr().err.strip().splitlines()
     assert len(out) == 1 and out[0].startswith("llm: vLLM unavailable, using the local backend (tiny:llama")
     with pytest.raises(VLLMError, match="tiny:llama is a random model built in-process"):
         make_backend(LLMConfig(backend="vllm"), ModelConfig(name="tiny:llama"))
@@ -206,7 +206,7 @@ def test_nectar_run_survives_its_vllm_engine_killed_mid_synthesis(tmp_path):
     sets = ["synthesize.max_chunks=1", "synthesize.samples_per_chunk=2", "synthesize.counts.qa=2",
             "synthesize.counts.quoting=0", "synthesize.counts.paraphrasing=0", "synthesize.counts.summarization=1",
             "verify.min_kept=4", "verify.challenge_size=1", "evaluate.max_samples=1",
-            "evaluate.benchmark_lengths=[64]", "evaluate.benchmark_new_tokens=2", "train.module.rho=0.25"]
+            "evaluate.benchmark_lengths=[64]", "evaluate.benchmark_new_tokens=2"]
     for stage in ("synthesize.llm", "verify.answer_llm", "verify.judge", "evaluate.judge"):
         # eager (the compile is not what this tests), one request at a time: a kill leaves work to redo
         sets += [f"{stage}.server_compile=false", f"{stage}.max_concurrency=1", f"{stage}.kv_cache_gib=1"]
