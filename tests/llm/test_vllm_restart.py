@@ -114,3 +114,25 @@ def test_the_execute_timeout_reaches_the_server_process(fake_vllm):
     assert f"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS={server.spec.execute_timeout_s}".encode() in env
     assert server.spec.execute_timeout_s > 300  # vLLM's default kills a loaded 2-core machine's engine
     assert os.getpgid(server.proc.pid) == server.proc.pid  # its own group: stop() ends every worker
+
+
+def test_a_compiled_server_that_cannot_start_is_started_eager_by_the_pool(tmp_path, monkeypatch, capsys):
+    from nectar.llm.server_pool import ServerPool
+
+    wrapper = tmp_path / "fake-vllm-python"
+    wrapper.write_text(f"#!/bin/sh\nexec {sys.executable} {FAKE} \"$@\"\n")
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("FAKE_VLLM_STATE", str(tmp_path / "starts"))
+    monkeypatch.setenv("FAKE_VLLM_COMPILE_FAILS", "1")  # FAILURE INJECTION: the compile never finishes
+    pool = ServerPool(tmp_path / "llm", python=wrapper)
+    spec = ServerSpec(model="fake", compile=True)
+    try:
+        server = pool.acquire(spec)
+        assert server.running and not server.spec.compile
+        assert pool.acquire(spec) is server  # later stages share the eager one
+        err = capsys.readouterr().err
+        assert "the compiled server did not start" in err and "starting it eager instead" in err
+        assert (tmp_path / "llm" / "vllm-0.log").exists() and (tmp_path / "llm" / "vllm-1.log").exists()
+    finally:
+        pool.stop()
+    assert not server.running
