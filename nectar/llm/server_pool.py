@@ -35,6 +35,15 @@ class ServerPool:
             server = self.servers.get(spec)
             if server is not None and server.running:
                 return server
+            if server is not None:  # died between two stages: the same server again, the restart on record
+                reason = server.death() or "it was not running"
+                say(f"vllm: the managed server died between stages ({reason}); restarting it (log {server.log_path})")
+                try:
+                    server.restart(reason, server.generation)
+                    return server
+                except VLLMError as exc:
+                    self.failed[spec] = exc
+                    raise
             try:
                 server = self._start(spec)
             except VLLMError as exc:

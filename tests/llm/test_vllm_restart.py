@@ -136,3 +136,24 @@ def test_a_compiled_server_that_cannot_start_is_started_eager_by_the_pool(tmp_pa
     finally:
         pool.stop()
     assert not server.running
+
+
+def test_a_pooled_server_that_died_between_stages_is_restarted_on_record(tmp_path, monkeypatch, capsys):
+    from nectar.llm.server_pool import ServerPool
+
+    wrapper = tmp_path / "fake-vllm-python"
+    wrapper.write_text(f"#!/bin/sh\nexec {sys.executable} {FAKE} \"$@\"\n")
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("FAKE_VLLM_STATE", str(tmp_path / "starts"))
+    pool = ServerPool(tmp_path / "llm", python=wrapper)
+    spec = ServerSpec(model="fake")
+    try:
+        server = pool.acquire(spec)
+        os.killpg(server.proc.pid, 9)  # FAILURE INJECTION: dies after one stage, before the next
+        server.proc.wait()
+        again = pool.acquire(spec)
+        assert again is server and server.running and len(server.restarts) == 1
+        assert "exited with code -9" in server.restarts[0]["reason"]
+        assert "died between stages" in capsys.readouterr().err
+    finally:
+        pool.stop()

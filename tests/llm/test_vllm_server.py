@@ -201,10 +201,11 @@ def test_nectar_run_survives_its_vllm_engine_killed_mid_synthesis(tmp_path):
     import time
 
     doc = tmp_path / "doc.txt"
-    doc.write_text(" ".join([TEXT] * 6))
+    doc.write_text(" ".join([TEXT] * 6))  # ~430 words: two chunks
     run = tmp_path / "run"
-    sets = ["synthesize.max_chunks=1", "synthesize.samples_per_chunk=2", "synthesize.counts.qa=2",
-            "synthesize.counts.quoting=0", "synthesize.counts.paraphrasing=0", "synthesize.counts.summarization=1",
+    # 2 chunks x 4 tasks = 8 requests asked one at a time: the kill after the first leaves 7 to redo
+    sets = ["synthesize.max_chunks=2", "synthesize.samples_per_chunk=2", "synthesize.counts.qa=2",
+            "synthesize.counts.quoting=1", "synthesize.counts.paraphrasing=1", "synthesize.counts.summarization=1",
             "verify.min_kept=4", "verify.challenge_size=1", "evaluate.max_samples=1",
             "evaluate.benchmark_lengths=[64]", "evaluate.benchmark_new_tokens=2"]
     for stage in ("synthesize.llm", "verify.answer_llm", "verify.judge", "evaluate.judge"):
@@ -232,7 +233,7 @@ def test_nectar_run_survives_its_vllm_engine_killed_mid_synthesis(tmp_path):
             proc.kill()
     assert killed is not None, out[-3000:]
     assert proc.returncode == 0, out[-3000:]
-    assert "the managed server died" in out and "restarting it" in out
+    assert "vllm: the managed server died" in out and "restarting it" in out, out[-3000:]
     manifest = json.loads(next(run.glob("**/synthesize/manifest.json")).read_text())
     restarts = manifest["counts"]["llm"]["restarts"]
     assert len(restarts) >= 1 and restarts[0]["reason"], manifest["counts"]["llm"]
