@@ -45,7 +45,7 @@ class ServedRun:
     doc_sha256: str
     text: str  # the document (tokenized for the prompt layout only)
     model: ModelConfig
-    module_url: str  # the train stage's directory
+    module_url: str  # the live state's directory (orchestration/live.py)
     defaults: GenerationDefaults  # the run's evaluation settings, where a request leaves a field out
 
 
@@ -55,7 +55,7 @@ class ServedDocument:
 
     name: str  # the model id clients send
     run_dir: str
-    module_url: str  # the train stage's directory
+    module_url: str  # the live state's directory (orchestration/live.py)
     doc_sha256: str
     spec: ModuleSpec
     layout: PromptLayout
