@@ -72,3 +72,38 @@ def read_live(run: RunDir) -> LiveState | None:
 def live_stage(run: RunDir) -> str | None:
     state = read_live(run)
     return state.stage if state else None
+
+
+# The stages a run's states wait for, in the DAG's order: the first state after chunk → first (no
+# LLM server); the refined one after every stage up to the promote stage that put it live.
+FIRST_PATH = ("chunk", "first")
+REFINED_PATH = ("chunk", "first", "synthesize", "verify", "targets", "train", "promote")
+
+
+def seconds_to(run: RunDir, stages: tuple[str, ...]) -> float | None:
+    """Seconds the stages took when they ran (their manifests' durations, summed): the time from the
+    document to that state in a run that ran them in order; None when one has not completed."""
+    total = 0.0
+    for stage in stages:
+        manifest = run.read_manifest(stage)
+        if manifest is None:
+            return None
+        total += manifest.duration_s
+    return total
+
+
+def state_summary(run: RunDir) -> list[str]:
+    """Lines for ``nectar run``: the time to the first usable state, to the refined one, and which
+    one answers now, where, and why."""
+    lines = []
+    first_s = seconds_to(run, FIRST_PATH)
+    if first_s is not None and run.exists("first", "module.json"):
+        lines.append(f"first usable state: {first_s:.1f} s from the document (chunk → first, no LLM server; "
+                     f"{run.url('first')})")
+    refined_s = seconds_to(run, REFINED_PATH)
+    if refined_s is not None:
+        lines.append(f"refined state: {refined_s:.1f} s (every stage through promote; {run.url('train')})")
+    state = read_live(run)
+    if state is not None:
+        lines.append(f"live: {state.stage} state at {state.url} — {state.reason}")
+    return lines

@@ -2,6 +2,7 @@
 stage's cache key and calls the pure stage function through ``executor.run_stage``."""
 from __future__ import annotations
 
+import time
 from typing import Any, Callable
 
 import fsspec
@@ -287,6 +288,7 @@ def run_first(ctx: RunContext, force: bool = False) -> StageOutcome:
     inputs = _upstream_outputs(ctx, "first")
 
     def body(url: str):
+        start = time.perf_counter()
         cfg = ctx.config
         if not cfg.first.enabled:
             return [], {"enabled": False, "live": live_stage(ctx.run)}
@@ -294,8 +296,10 @@ def run_first(ctx: RunContext, force: bool = False) -> StageOutcome:
         counts = first_state(base, ctx.text, cfg.first, cfg.train.module, cfg.targets.recon, cfg.targets.probes,
                              ctx.info.sha256, url, max_query_tokens=cfg.targets.max_query_tokens)
         if live_stage(ctx.run) in (None, "first"):
-            publish(ctx.run, "first", "the first state (document alone): self-study has not refined it yet",
-                    {"counts": counts})
+            state = publish(ctx.run, "first", "the first state (document alone): self-study has not refined it yet",
+                            {"counts": counts})
+            ctx.notify(f"first usable state ready after {time.perf_counter() - start:.1f} s in the first stage "
+                       f"(no LLM server): {state.url}; answer from it now: nectar ask {ctx.run.root} \"…\"")
         counts["live"] = live_stage(ctx.run)
         return list(FIRST_OUTPUTS), counts
 

@@ -125,3 +125,18 @@ def test_promote_reruns_are_cache_hits_that_keep_the_pointer(run_copy):
     pointer = Path(run_copy, *live.LIVE).read_text()
     assert run_promote(orchestration.open_run(run_copy)).status == "cached"
     assert Path(run_copy, *live.LIVE).read_text() == pointer
+
+
+def test_a_running_server_follows_the_swap(run_copy, monkeypatch):
+    from nectar.serving import registry as reg
+    from nectar.serving.loader import open_served_run
+
+    monkeypatch.setattr(reg, "LIVE_CHECK_S", 0.0)  # re-read the pointer on every request
+    served = reg.open_registry([open_served_run(run_copy)], None, 1 << 30)
+    name = served.names[0]
+    before = served.documents[name].module_url
+    served.provider(name)
+    other = "first" if live.read_live(RunDir(run_copy)).stage == "train" else "train"
+    state = live.publish(RunDir(run_copy), other, "test swap")
+    served.provider(name)
+    assert served.documents[name].module_url == state.url != before and served.loads == 2
