@@ -144,3 +144,18 @@ def test_a_running_server_follows_the_swap(run_copy, monkeypatch):
     state = live.publish(RunDir(run_copy), other, "test swap")
     served.provider(name)
     assert served.documents[name].module_url == state.url != before and served.loads == 2
+
+
+def test_compare_scores_the_runs_own_states_unnamed_and_writes_where_asked(run_copy, tmp_path):
+    from nectar.comparison import compare, open_for_compare
+
+    out = tmp_path / "elsewhere"
+    result = compare(open_for_compare(run_copy), ["none", "full"], out=str(out))
+    by_system = {r.system: r for r in result.rows if r.split == "probes"}
+    assert {"run:first", "run:refined"} <= set(by_system)
+    first, refined = by_system["run:first"], by_system["run:refined"]
+    assert first.kind == refined.kind == "run" and first.rho == refined.rho
+    assert first.state_bytes == json.loads(Path(run_copy, "first", "module.json").read_text())["module_bytes"]
+    assert 0 < first.state_seconds < refined.state_seconds  # the refined one waits for self-study
+    assert (out / "comparison.md").exists() and (out / "comparison.parquet").exists()
+    assert not Path(run_copy, "compare").exists()  # nothing written into RUN/compare
