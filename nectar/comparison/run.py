@@ -227,6 +227,7 @@ class Obtained:
     arch: str | None
     source: str
     state_seconds: float | None = None  # document → usable state (see ComparisonRow.state_seconds)
+    document_only: bool = False  # a baseline that needs no captured query: its time is prefill + fit
 
 
 def obtain(job: Job, ctx: RunContext, base, doc_kv, dims: dict[str, Any]) -> Obtained:
@@ -256,7 +257,14 @@ def obtain(job: Job, ctx: RunContext, base, doc_kv, dims: dict[str, Any]) -> Obt
         inputs = _with_document(inputs, s, ctx, base)
     provider = baseline.fit(baseline_plan(ctx, job.rho, dims), inputs)
     seconds = time.perf_counter() - t0
-    return Obtained(provider, int(provider.nbytes), seconds, s.baseline, f"fit_baseline({s.baseline!r})")
+    return Obtained(provider, int(provider.nbytes), seconds, s.baseline, f"fit_baseline({s.baseline!r})",
+                    document_only=baseline.reads_document and not _uses_train_queries(inputs.select))
+
+
+def _uses_train_queries(select) -> bool:
+    """Whether a kvzip state ranks or fits on the targets' train queries (else: the document alone)."""
+    return select is not None and (select.score_queries == "recon+train"
+                                   or (select.fit and select.fit_queries == "recon+train"))
 
 
 def _run_state(job: Job, ctx: RunContext, base) -> Obtained:
@@ -357,6 +365,8 @@ def state_seconds(job: Job, o: Obtained, data_s: float | None, prefill_s: float)
         return prefill_s
     if s.kind == "kvpress" or (s.kind == "baseline" and s.baseline == "truncate"):
         return o.seconds  # from the document alone
+    if o.document_only and o.seconds is not None:  # kvzip on reconstruction alone: prefill, then its fit
+        return prefill_s + o.seconds
     if o.seconds is None or data_s is None:
         return None
     return data_s + o.seconds  # trained states and the baselines that read the captured queries

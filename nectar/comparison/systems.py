@@ -160,6 +160,14 @@ for _bits in (8, 4):
                         options=_opts, default=_default))
 
 
+# The first state's algorithm (nectar/stages/first.py) at any budget: keys ranked and β, values fitted on the
+# reconstruction queries alone, int4 — from the document alone, so its state s is prefill + fit (opt-in).
+register(System("kvzip_first@int4", "baseline", "the first stage's state: kvzip_fit ranked and fitted on the "
+                "reconstruction queries alone (no question about the document), stored at int4 (fp16 scale and "
+                "zero per 64 values, β bf16)", baseline="kvzip", bits=4,
+                options={"fit": True, "fit_queries": "recon", "score_queries": "recon"}, default=False))
+
+
 # The default state (kvzip_fit_qa@int4) refined by gradient steps that see it as stored (train.quant_aware:
 # keys, values and β rounded on their grid in every forward, straight-through gradient), so the trained
 # state is the stored one and starts from the quantization-aware fit instead of discarding it; and the
