@@ -43,11 +43,12 @@ def document_of(tokenizer, n_tokens: int) -> str:
     return "".join(lines)
 
 
-def matmul_rate(seconds: float = 1.0) -> float:
-    """FLOP/s of a float32 [1024, 64] × [64, 4096] matmul (the scoring's shape) on this machine now."""
+def matmul_rate(seconds: float = 1.0, dtype: str = "float32") -> float:
+    """FLOP/s of a [1024, 64] × [64, 4096] matmul (the scoring's shape; float64: the fit's Gram
+    matrices' precision) on this machine now."""
     import torch
 
-    a, b = torch.randn(1024, 64), torch.randn(64, 4096)
+    a, b = torch.randn(1024, 64, dtype=getattr(torch, dtype)), torch.randn(64, 4096, dtype=getattr(torch, dtype))
     done, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
         a @ b
@@ -126,6 +127,10 @@ def run_one(n_tokens: int, nnls_log: list, scipy_every: int = 0) -> dict:
     attn = 3 * 2 * L * hq * T * n * d
     linear = 2 * 1.35e8 * T
     counts["recon_gflop"] = round((attn + linear) / 1e9, 1)
+    # the fit's FLOPs, per (layer, KV head) of c kept keys and N = 2048 · g fit queries (float64): the
+    # masses 2Ncd, the two Gram matrices 2·2Nc², the outputs' projection 2Ncd, ~4 Cholesky solves c³/3
+    N, d = 2048 * (hq // base.num_kv_heads), base.head_dim
+    counts["fit_gflop"] = round(sum(4 * N * c * d + 4 * N * c * c + 4 * c ** 3 / 3 for c in sizes) / 1e9, 1)
     counts["torch_threads"] = torch.get_num_threads()
     return counts
 
@@ -167,13 +172,17 @@ def main() -> None:
     args = ap.parse_args()
     rows = []
     for n in [int(x) for x in args.lengths.split(",")]:
-        rate = matmul_rate()
+        rate, rate64 = matmul_rate(), matmul_rate(dtype="float64")
         load = os.getloadavg()
         row = run_one(n, [], args.scipy_every if n in args.scipy_at else 0)
         row.update(load_before=[round(x, 2) for x in load], load_after=[round(x, 2) for x in os.getloadavg()],
                    matmul_gflops=round(rate / 1e9, 1))
         row["recon_bound_s"] = round(row["recon_gflop"] / row["matmul_gflops"], 2)
         row["recon_over_bound"] = round(row["recon_s"] / max(row["recon_bound_s"], 1e-9), 2)
+        row["matmul64_gflops"] = round(rate64 / 1e9, 1)
+        row["fit_bound_s"] = round(row["fit_gflop"] / row["matmul64_gflops"], 2)
+        fit_s = row["fit_mass_s"] + row["fit_values_s"]
+        row["fit_over_bound"] = round(fit_s / max(row["fit_bound_s"], 1e-9), 2)
         if args.kvpress:
             row["kvpress_kvzip_int4_s"] = kvpress_seconds(n)
             row["load_after_kvpress"] = [round(x, 2) for x in os.getloadavg()]

@@ -246,14 +246,15 @@ def status(run_dir: str = typer.Argument(..., help="A run directory, or a folder
 
 @app.command()
 def ask(
-    run_dir: str = typer.Argument(..., help="A run directory whose train stage completed."),
+    run_dir: str = typer.Argument(..., help="A run directory with a live state (from its first stage on)."),
     question: str = typer.Argument(..., help="The question about the document."),
     max_new_tokens: Optional[int] = typer.Option(None, help="Default: the run's evaluate setting."),
     temperature: Optional[float] = typer.Option(None, help="0 for greedy; default: the run's evaluate setting."),
     seed: int = typer.Option(0),
     debug: bool = typer.Option(False, "--debug", help="Show the traceback of an error."),
 ) -> None:
-    """Answer a question from the trained module, without the document in the context (streams)."""
+    """Answer a question from the run's live state (the first state while self-study runs, the refined
+    one once promoted), without the document in the context (streams)."""
     from ..serving.ask import ask as ask_module
     from .errors import reported
 
