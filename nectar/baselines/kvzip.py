@@ -19,6 +19,7 @@ keys has masked slots (β = −inf, W = Z = 0) that no query reaches and that co
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 
 import torch
@@ -226,14 +227,16 @@ def selection_plan(plan: ModulePlan, kept: list[list[torch.Tensor]], fit: bool) 
 
 @torch.no_grad()
 def build_selected(plan: ModulePlan, kept: list[list[torch.Tensor]], doc_kv, queries=None,
-                   quant_aware: bool = True) -> NectarModule:
+                   quant_aware: bool = True, timings: dict[str, float] | None = None) -> NectarModule:
     """The module of the kept keys: exact KV (β = 0), or with fitted β and values when ``queries``
     (an object with q [T, L, Hq, d], alpha [T, L, Hq], A [T, L, Hq, d]) are given.
 
     At ``plan.bits`` < 32 the pairs are stored quantized (modules/stored.py: keys and values as codes,
     β as bf16). ``quant_aware``: β is fitted to the masses of the keys as stored and the values to
     those keys and the stored β (Attention Matching's fit, aware of the rounding); otherwise fitted in
-    float and rounded after. The module returned holds the stored values either way."""
+    float and rounded after. The module returned holds the stored values either way. ``timings``:
+    seconds of the β fits (fit_mass_s) and the value solves (fit_values_s) added to it."""
+    timings = {} if timings is None else timings
     module = build_module(plan)
     hkv, bits, group = plan.num_kv_heads, plan.bits, plan.quant_group
     aware = quant_aware and bits < 32
@@ -260,9 +263,13 @@ def build_selected(plan: ModulePlan, kept: list[list[torch.Tensor]], doc_kv, que
             Wh = rows(keys[h, idx])  # [c, d]
             W[h, :c], Z[h, :c], B[h, :c] = Wh, values[h, idx], 0.0
             if queries is not None:
+                start = time.perf_counter()
                 mass = attention_probs(q[:, h], alpha[:, h], Wh, plan.scaling)  # [T·g, c]
                 beta = log_mass(fit_log_mass(mass))
+                mid = time.perf_counter()
                 Z[h, :c] = fit_values(mass, beta, A[:, h], values[h, idx]).float()
                 B[h, :c] = beta.float()
+                timings["fit_mass_s"] = timings.get("fit_mass_s", 0.0) + mid - start
+                timings["fit_values_s"] = timings.get("fit_values_s", 0.0) + time.perf_counter() - mid
         net.set_pairs(W, Z, B)
     return quantize_module_(module).eval()  # real pairs onto the stored grid (no-op at 32 bits)

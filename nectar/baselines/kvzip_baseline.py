@@ -5,6 +5,7 @@ in kvzip.py; this file fits them together as a baseline."""
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 import torch
@@ -22,14 +23,18 @@ from .kvzip import (allocate, anchor_mask, build_selected, combined_scores, reco
 
 def fit_kvzip(base: BaseLM, layout: PromptLayout, document: str, doc_kv, targets,
               plan: ModulePlan, select: SelectionConfig, spans: list[tuple[str, str]],
-              seed: int = 0) -> FittedBaseline:
+              seed: int = 0, timings: dict[str, float] | None = None) -> FittedBaseline:
     """KVzip-style selection (and the closed-form fit) in the bytes of ``plan``, stored at
     ``plan.bits``: reconstruct the document's ``spans`` ((instruction, response),
     nectar/stages/recon.py) against its exact KV, keep the best keys (as many as the bytes buy at
     that precision), fit β and values (nectar/baselines/kvzip.py). ``targets``: the targets (a URL or
     an open ``TargetsData``) whose train queries join the ranking (``score_queries``) and the fit
-    (``fit_queries``), or None."""
+    (``fit_queries``), or None. ``timings``: seconds of each part added to it (recon_s, allocate_s and
+    build_selected's fit_mass_s / fit_values_s), for the first state's profile."""
+    timings = {} if timings is None else timings
+    start = time.perf_counter()
     cap = recon_capture(base, layout, doc_kv, spans, select.aggregate)
+    timings["recon_s"] = timings.get("recon_s", 0.0) + time.perf_counter() - start
     template = template_mask(layout, document) if select.template_tokens else None
     pair_bytes = ragged_pair_bytes(plan.head_dim, select.fit, plan.bits, plan.quant_group)
     uses_train = targets is not None and ((select.fit and "train" in select.fit_queries)
@@ -39,7 +44,9 @@ def fit_kvzip(base: BaseLM, layout: PromptLayout, document: str, doc_kv, targets
     if select.score_queries == "recon+train" and train is not None:
         cut = 4 * plan.num_kv_heads * sum(plan.budgets) // pair_bytes
         scores = combined_scores(cap.scores, train_scores(train, doc_kv.keys, plan.scaling, select.aggregate), cut)
+    start = time.perf_counter()
     kept = allocate(scores, plan, pair_bytes, select.budget, anchor_mask(layout.n, select.sink_tokens, template))
+    timings["allocate_s"] = timings.get("allocate_s", 0.0) + time.perf_counter() - start
     qplan = selection_plan(plan, kept, select.fit)
     queries = None
     if select.fit:
@@ -51,7 +58,7 @@ def fit_kvzip(base: BaseLM, layout: PromptLayout, document: str, doc_kv, targets
         if select.fit_queries == "recon+train" and train is not None:
             queries = QueryTargets(torch.cat([queries.q, train.q.float()]), torch.cat([queries.alpha, train.alpha.float()]),
                                    torch.cat([queries.A, train.A.float()]))
-    module = build_selected(qplan, kept, doc_kv, queries, select.quant_aware)
+    module = build_selected(qplan, kept, doc_kv, queries, select.quant_aware, timings=timings)
     return FittedBaseline("kvzip", module, qplan, scores=scores)  # scores [L, Hkv, n]: what the allocation ranked
 
 

@@ -46,7 +46,7 @@ from ..storage import atomic_write
 from ..tables import ArtifactError, read_json_artifact, read_table, write_table
 from ..targets.store import open_targets, targets_zarr_url
 from .sweep import Variant, prepare_variant
-from .systems import System, resolve, trained_config
+from .systems import RUN_STATES, System, resolve, run_states, trained_config
 
 ProgressFactory = Callable[[str], Callable[[int, int], None]]
 
@@ -165,8 +165,12 @@ def validate(ctx: RunContext, systems: list[str] | None = None,
 
 
 def plan_jobs(ctx: RunContext, systems: list[str] | None = None, rhos: list[float] | None = None) -> list[Job]:
-    """The jobs: references once, every other system at the run's ρ and at each of ``rhos``."""
+    """The jobs: references once, every other system at the run's ρ and at each of ``rhos``, and the
+    run's own states (first, refined) at the run's ρ whenever it has them."""
     chosen, budgets = validate(ctx, systems, rhos)
+    if ctx.parent is None:  # a variant's states are not the run's
+        done = {stage for stage, _ in RUN_STATES.values() if ctx.run.exists(stage, "module.json")}
+        chosen = chosen + run_states(done)
     jobs: list[Job] = []
     for s in chosen:
         if s.kind == "reference":
@@ -176,6 +180,9 @@ def plan_jobs(ctx: RunContext, systems: list[str] | None = None, rhos: list[floa
             if s.kind == "trained":  # baselines and kvpress presses: one job per budget
                 config = trained_config(ctx.config, s, rho)
                 jobs.append(Job(s, rho, config, variant_for(ctx, f"{s.name}_rho-{rho:g}", config)))
+            elif s.kind == "run":  # made by the pipeline at the run's ρ only
+                if rho == ctx.config.train.module.rho:
+                    jobs.append(Job(s, rho, ctx.config, ctx))
             else:
                 jobs.append(Job(s, rho))
     return jobs
@@ -220,6 +227,7 @@ class Obtained:
     arch: str | None
     source: str
     state_seconds: float | None = None  # document → usable state (see ComparisonRow.state_seconds)
+    document_only: bool = False  # a baseline that needs no captured query: its time is prefill + fit
 
 
 def obtain(job: Job, ctx: RunContext, base, doc_kv, dims: dict[str, Any]) -> Obtained:
@@ -240,6 +248,8 @@ def obtain(job: Job, ctx: RunContext, base, doc_kv, dims: dict[str, Any]) -> Obt
             raise CompareInputError(f"{job.key}: its train stage in {job.ctx.run.root} has not completed")
         module, spec = load_module(job.ctx.run.url("train"), base, ctx.info.sha256, device=base.device)
         return Obtained(ModuleDocState(module), spec.module_bytes, manifest.duration_s, spec.arch, job.ctx.run.root)
+    if s.kind == "run":
+        return _run_state(job, ctx, base)
     baseline = get_baseline(s.baseline)
     t0 = time.perf_counter()
     inputs = FitInputs(doc_kv, ctx.stage_run("targets").url("targets"), seed=ctx.config.train.seed, bits=s.bits)
@@ -247,7 +257,52 @@ def obtain(job: Job, ctx: RunContext, base, doc_kv, dims: dict[str, Any]) -> Obt
         inputs = _with_document(inputs, s, ctx, base)
     provider = baseline.fit(baseline_plan(ctx, job.rho, dims), inputs)
     seconds = time.perf_counter() - t0
-    return Obtained(provider, int(provider.nbytes), seconds, s.baseline, f"fit_baseline({s.baseline!r})")
+    return Obtained(provider, int(provider.nbytes), seconds, s.baseline, f"fit_baseline({s.baseline!r})",
+                    document_only=baseline.reads_document and not _uses_train_queries(inputs.select))
+
+
+def _uses_train_queries(select) -> bool:
+    """Whether a kvzip state ranks or fits on the targets' train queries (else: the document alone)."""
+    return select is not None and (select.score_queries == "recon+train"
+                                   or (select.fit and select.fit_queries == "recon+train"))
+
+
+def _run_state(job: Job, ctx: RunContext, base) -> Obtained:
+    """The run's first or refined state as its stage wrote it, with the seconds the run took to it."""
+    from ..modules.io import load_module
+    from ..modules.provider import ModuleDocState
+    from ..orchestration.live import FIRST_PATH, REFINED_PATH, live_stage, seconds_to
+
+    stage = RUN_STATES[job.system.name][0]
+    manifest = ctx.run.read_manifest(stage)
+    if manifest is None:
+        raise CompareInputError(f"{job.key}: the {stage} stage in {ctx.run.root} has not completed")
+    module, spec = load_module(ctx.run.url(stage), base, ctx.info.sha256, device=base.device)
+    path = FIRST_PATH if stage == "first" else REFINED_PATH
+    seconds = seconds_to(ctx.run, path)
+    if seconds is None and stage == "train":  # no promote yet: the stages up to train
+        seconds = seconds_to(ctx.run, path[:-1])
+    if stage == "first":  # timed again here, beside the presses of this compare (the same load)
+        seconds = refit_first_seconds(ctx, base) + (seconds_to(ctx.run, ("chunk",)) or 0.0)
+    live = " (live)" if live_stage(ctx.run) == stage else ""
+    return Obtained(ModuleDocState(module), spec.module_bytes, manifest.duration_s, spec.arch,
+                    f"{ctx.run.url(stage)}{live}", state_seconds=seconds)
+
+
+def refit_first_seconds(ctx: RunContext, base) -> float:
+    """Seconds the first stage's work takes now (prefill, reconstruction, selection, fit, write into a
+    scratch folder): the run's manifest timed it under whatever load that minute had; a compare times
+    it again beside kvpress's press, so the ``state_seconds`` of the two are measured side by side."""
+    import tempfile
+
+    from ..stages.first import first_state
+
+    cfg = ctx.config
+    with tempfile.TemporaryDirectory() as scratch:
+        t0 = time.perf_counter()
+        first_state(base, ctx.text, cfg.first, cfg.train.module, cfg.targets.recon, cfg.targets.probes,
+                    ctx.info.sha256, scratch)
+        return time.perf_counter() - t0
 
 
 def _with_document(inputs: FitInputs, s: System, ctx: RunContext, base) -> FitInputs:
@@ -302,19 +357,24 @@ def prefill_seconds(base, context_ids) -> float:
 
 def state_seconds(job: Job, o: Obtained, data_s: float | None, prefill_s: float) -> float | None:
     s = job.system
+    if s.kind == "run":
+        return o.state_seconds  # the run's own stages up to it (_run_state)
     if s.name == "none":
         return 0.0
     if s.name == "full":
         return prefill_s
     if s.kind == "kvpress" or (s.kind == "baseline" and s.baseline == "truncate"):
         return o.seconds  # from the document alone
+    if o.document_only and o.seconds is not None:  # kvzip on reconstruction alone: prefill, then its fit
+        return prefill_s + o.seconds
     if o.seconds is None or data_s is None:
         return None
     return data_s + o.seconds  # trained states and the baselines that read the captured queries
 
 
 def score_kvpress(ctx: RunContext, base, context_ids, doc_kv, pairs: list[EvalPair], jobs: list[Job],
-                  obtained: dict[str, "Obtained"], sums: dict, notes: dict[str, Any]) -> list[Job]:
+                  obtained: dict[str, "Obtained"], sums: dict, notes: dict[str, Any],
+                  out: str | None = None) -> list[Job]:
     """Score the kvpress jobs in kvpress's venv; fill ``sums`` and ``obtained`` for those that ran and
     return them. Jobs that cannot run are reported (printed and in ``notes``) and left out: the
     comparison goes on without their rows."""
@@ -323,7 +383,7 @@ def score_kvpress(ctx: RunContext, base, context_ids, doc_kv, pairs: list[EvalPa
     press_jobs = [PressJob(j.key, j.system.press, j.rho, j.system.bits) for j in jobs]
     try:
         result: BridgeResult = score_presses(base, ctx.config.model, list(context_ids), doc_kv, pairs, press_jobs,
-                                             ctx.run.local_path("compare", "kvpress"))
+                                             _fs(f"{out.rstrip('/')}/kvpress")[1] if out else ctx.run.local_path("compare", "kvpress"))
     except (KvpressEnvError, KvpressError) as exc:
         print(f"kvpress rows left out: {exc}")
         notes["kvpress"] = {"error": str(exc)}
@@ -345,9 +405,21 @@ def score_kvpress(ctx: RunContext, base, context_ids, doc_kv, pairs: list[EvalPa
     return ran
 
 
+def _fs(url: str):
+    import fsspec
+
+    return fsspec.core.url_to_fs(url)
+
+
+def compare_dir(ctx: RunContext, out: str | None = None) -> str:
+    """Where the comparison is written: ``--out DIR``, or RUN/compare."""
+    return out.rstrip("/") if out else ctx.run.url("compare")
+
+
 def score_and_write(ctx: RunContext, jobs: list[Job], progress: ProgressFactory | None = None,
-                    timings: dict[str, float] | None = None) -> CompareResult:
-    """Steps 3–5: fit the baselines, score every job's provider on the held-out pairs, write the outputs."""
+                    timings: dict[str, float] | None = None, out: str | None = None) -> CompareResult:
+    """Steps 3–5: fit the baselines, score every job's provider on the held-out pairs, write the outputs
+    (into ``out``, or RUN/compare)."""
     bar = progress or (lambda name: (lambda d, t: None))
     timings = dict(timings or {})
     cfg = ctx.config.evaluate
@@ -372,7 +444,7 @@ def score_and_write(ctx: RunContext, jobs: list[Job], progress: ProgressFactory 
     extra_sums: dict = {}
     notes: dict[str, Any] = {}
     t0 = time.perf_counter()
-    ran = score_kvpress(ctx, base, layout.context_ids, doc_kv, sel.pairs, kv_jobs, obtained, extra_sums, notes)
+    ran = score_kvpress(ctx, base, layout.context_ids, doc_kv, sel.pairs, kv_jobs, obtained, extra_sums, notes, out)
     if kv_jobs:
         timings["kvpress_s"] = time.perf_counter() - t0
     jobs = [j for j in jobs if j.system.kind != "kvpress" or j in ran]
@@ -398,7 +470,7 @@ def score_and_write(ctx: RunContext, jobs: list[Job], progress: ProgressFactory 
     facts = {"run": ctx.run.root, "document": ctx.info.source_uri, "model": base.name, "n": layout.n,
              "kv_bytes": doc_kv.nbytes(), "kv_dtype": str(doc_kv.keys[0].dtype).removeprefix("torch."),
              "created_at": now()}
-    return write_outputs(ctx.run, rows, facts, timings, notes, allocations(obtained))
+    return write_outputs(ctx.run, rows, facts, timings, notes, allocations(obtained), out)
 
 
 def differences_vs_kvpress(jobs: list[Job], sums: dict, sel, quality, cfg) -> list[dict[str, Any]]:
@@ -485,11 +557,16 @@ def comparison_rows(jobs: list[Job], obtained: dict[str, Obtained], quality) -> 
 
 def write_outputs(run: RunDir, rows: list[ComparisonRow], facts: dict[str, Any],
                   timings: dict[str, float], notes: dict[str, Any] | None = None,
-                  allocation: dict[str, list[list[int]]] | None = None) -> CompareResult:
+                  allocation: dict[str, list[list[int]]] | None = None, out: str | None = None) -> CompareResult:
     from ..evaluation.plots import allocation_heatmap, frontier
     from .table import comparison_markdown
 
-    out = run.makedirs("compare")
+    if out:
+        fs, path = _fs(out)
+        fs.makedirs(path, exist_ok=True)
+        out = out.rstrip("/")
+    else:
+        out = run.makedirs("compare")
     write_table(f"{out}/comparison.parquet", rows, ComparisonRow)
     data = [r.model_dump(exclude={"schema_version"}) for r in rows]
     png = frontier(data)
@@ -517,12 +594,13 @@ def write_outputs(run: RunDir, rows: list[ComparisonRow], facts: dict[str, Any],
 
 
 def compare(ctx: RunContext, systems: list[str] | None = None, rhos: list[float] | None = None,
-            run_one: RunOne = run_here, progress: ProgressFactory | None = None) -> CompareResult:
-    """Plan, train what is missing, score and write; ``run_one`` runs a stage (the Prefect flow's
-    runs it as a subflow)."""
+            run_one: RunOne = run_here, progress: ProgressFactory | None = None,
+            out: str | None = None) -> CompareResult:
+    """Plan, train what is missing, score and write (into ``out``, or RUN/compare); ``run_one`` runs a
+    stage (the Prefect flow's runs it as a subflow)."""
     check_ready(ctx)
     refresh_targets(ctx, run_one)
     jobs = plan_jobs(ctx, systems, rhos)
     t0 = time.perf_counter()
     train_missing(jobs, run_one, progress("compare:train") if progress else None)
-    return score_and_write(ctx, jobs, progress, {"train_s": time.perf_counter() - t0})
+    return score_and_write(ctx, jobs, progress, {"train_s": time.perf_counter() - t0}, out)

@@ -9,6 +9,9 @@
   baseline   a closed-form fit on the document KV and the captured targets,
              ``nectar.baselines.fit_baseline(name, doc_kv, targets_url, plan, seed)``, sized to the
              bytes of the module plan at the same ρ.
+  run        the run's own states (the first state from the document alone, the refined one of the
+             train stage), as the pipeline made them, at the run's ρ: always compared when the run has
+             them, never named (``run_states``)
   kvpress    a press of NVIDIA's kvpress library (``kvpress:<press>``, optionally ``:int8`` / ``:int4``
              for kept keys and values stored at that precision), run in its own venv on the same token
              ids (nectar/kvpress/), keeping the entries whose stored bytes are ρ of the document KV.
@@ -28,7 +31,7 @@ from ..kvpress.worker import PRESSES, UNAVAILABLE
 from ..schemas.config import PipelineConfig, TrainConfig
 from ..schemas.presets import PRESET_REGIMES, PRESETS, REGIMES, ConfigError, deep_merge, regime_overlay
 
-Kind = Literal["reference", "trained", "baseline", "kvpress"]
+Kind = Literal["reference", "trained", "baseline", "kvpress", "run"]
 KVPRESS_PREFIX = "kvpress:"
 KVPRESS_BITS = {"int8": 8, "int4": 4}
 
@@ -157,6 +160,14 @@ for _bits in (8, 4):
                         options=_opts, default=_default))
 
 
+# The first state's algorithm (nectar/stages/first.py) at any budget: keys ranked and β, values fitted on the
+# reconstruction queries alone, int4 — from the document alone, so its state s is prefill + fit (opt-in).
+register(System("kvzip_first@int4", "baseline", "the first stage's state: kvzip_fit ranked and fitted on the "
+                "reconstruction queries alone (no question about the document), stored at int4 (fp16 scale and "
+                "zero per 64 values, β bf16)", baseline="kvzip", bits=4,
+                options={"fit": True, "fit_queries": "recon", "score_queries": "recon"}, default=False))
+
+
 # The default state (kvzip_fit_qa@int4) refined by gradient steps that see it as stored (train.quant_aware:
 # keys, values and β rounded on their grid in every forward, straight-through gradient), so the trained
 # state is the stored one and starts from the quantization-aware fit instead of discarding it; and the
@@ -186,6 +197,21 @@ for _bits in (8, 4):
     register(System(f"attention_matching_kv@int{_bits}", "baseline", f"{SYSTEMS['attention_matching_kv'].description}, "
                     f"stored at int{_bits} (fp16 scale and zero per 64 values), as many pairs as the bytes buy",
                     baseline="attention_matching_kv", bits=_bits, default=False))
+
+
+# The run's own states (issue 39): compared in every ``nectar compare RUN`` that has them, with the time the
+# pipeline took to each (the first: chunk → first; the refined: every stage through promote).
+RUN_STATES: dict[str, tuple[str, str]] = {  # system name → (stage holding it, description)
+    "run:first": ("first", "this run's first state: keys chosen by reconstructing the document alone, closed-form "
+                  "β and values, no LLM server (the first stage; kvzip_fit on reconstruction queries)"),
+    "run:refined": ("train", "this run's refined state: the train stage's, made after self-study"),
+}
+
+
+def run_states(stages_done: set[str]) -> list[System]:
+    """The run's states whose stage holds a module (``stages_done``: stages with a module.json)."""
+    return [System(name, "run", desc, default=False) for name, (stage, desc) in RUN_STATES.items()
+            if stage in stages_done]
 
 
 def baselines_available() -> bool:

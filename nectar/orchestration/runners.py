@@ -2,6 +2,7 @@
 stage's cache key and calls the pure stage function through ``executor.run_stage``."""
 from __future__ import annotations
 
+import time
 from typing import Any, Callable
 
 import fsspec
@@ -19,8 +20,9 @@ from .readers import write_json
 __all__ = ["SHARED_DATA_STAGES", "STAGE_RUNNERS", "UPSTREAM", "available_stages", "plan_stages"]
 
 UPSTREAM: dict[str, tuple[str, ...]] = {
-    "chunk": (), "synthesize": ("chunk",), "verify": ("synthesize",), "targets": ("verify",),
-    "train": ("targets",), "evaluate": ("train", "targets", "verify", "chunk"),
+    "chunk": (), "first": (), "synthesize": ("chunk",), "verify": ("synthesize",), "targets": ("verify",),
+    "train": ("targets",), "promote": ("first", "train", "targets"),
+    "evaluate": ("train", "targets", "verify", "chunk"),
 }
 
 
@@ -131,11 +133,15 @@ def llm_record(backend: Any, llm_cfg: Any) -> dict[str, Any]:
 def _stage_config(ctx: RunContext, stage: str) -> dict[str, Any]:
     cfg = ctx.config
     own = getattr(cfg, stage).cache_dict() if stage in ("chunk", "synthesize", "verify", "targets",
-                                                        "train", "evaluate") else {}
+                                                        "train", "evaluate", "first") else {}
     # Stages that run the base model depend on it too.
     out = {stage: own, "model": cfg.model.cache_dict()}
-    if stage == "train" and cfg.train.module.init == "kvzip":  # it selects keys on the reconstruction spans
+    if (stage == "train" and cfg.train.module.init == "kvzip") or stage == "first":  # keys chosen by reconstruction
         out["recon"] = {"recon": cfg.targets.recon.cache_dict(), "probes": cfg.targets.probes.cache_dict()}
+    if stage == "first":  # its bytes are the train module's
+        out["module"] = cfg.train.module.cache_dict()
+    if stage == "promote":  # the pairs it scores on and the interval's settings
+        out[stage] = {**cfg.first.cache_dict(), "evaluate": cfg.evaluate.cache_dict()}
     return out
 
 
@@ -273,6 +279,63 @@ def run_train(ctx: RunContext, force: bool = False) -> StageOutcome:
                      **_wiring(ctx, "train"))
 
 
+def run_first(ctx: RunContext, force: bool = False) -> StageOutcome:
+    """A servable state from the document alone (no LLM server), published live at once unless the
+    run already serves a refined state (the promote stage owns that choice)."""
+    from ..stages.first import FIRST_OUTPUTS, first_state
+    from .live import live_stage, publish
+
+    inputs = _upstream_outputs(ctx, "first")
+
+    def body(url: str):
+        start = time.perf_counter()
+        cfg = ctx.config
+        if not cfg.first.enabled:
+            return [], {"enabled": False, "live": live_stage(ctx.run)}
+        base = load_base(cfg)
+        counts = first_state(base, ctx.text, cfg.first, cfg.train.module, cfg.targets.recon, cfg.targets.probes,
+                             ctx.info.sha256, url, max_query_tokens=cfg.targets.max_query_tokens)
+        if live_stage(ctx.run) in (None, "first"):
+            state = publish(ctx.run, "first", "the first state (document alone): self-study has not refined it yet",
+                            {"counts": counts})
+            ctx.notify(f"first usable state ready after {time.perf_counter() - start:.1f} s in the first stage "
+                       f"(no LLM server): {state.url}; answer from it now: nectar ask {ctx.run.root} \"…\"")
+        counts["live"] = live_stage(ctx.run)
+        return list(FIRST_OUTPUTS), counts
+
+    return run_stage(ctx.run, "first", _stage_config(ctx, "first"), inputs, body, force, **_wiring(ctx, "first"))
+
+
+def run_promote(ctx: RunContext, force: bool = False) -> StageOutcome:
+    """Score the first and the refined state on the held-out pairs; publish the better one (the
+    refined only when its paired interval says so). ``decision.json`` and the counts say why."""
+    from ..modules.io import load_module
+    from ..stages.promote import decide
+    from .live import publish
+
+    inputs = _upstream_outputs(ctx, "promote")
+
+    def body(url: str):
+        cfg = ctx.config
+        if not ctx.run.exists("first", "module.json"):
+            reason, counts = "no first state in this run (first.enabled is false): the refined state is live", {}
+            live = "train"
+        else:
+            base = load_base(cfg)
+            doc_kv = load_run_doc_kv(ctx)
+            first, _ = load_module(ctx.run.url("first"), base, ctx.info.sha256, device=base.device)
+            refined, _ = load_module(ctx.run.url("train"), base, ctx.info.sha256, device=base.device)
+            decision = decide(base, doc_kv, first, refined, ctx.stage_run("targets").url("targets"), cfg.evaluate,
+                              cfg.first.confidence, progress=ctx.progress("promote"))
+            live, reason, counts = decision.live, decision.reason, decision.counts
+        state = publish(ctx.run, live, reason, {"decision": counts})
+        write_json(f"{url}/decision.json", {"live": live, "reason": reason, "dir": state.url, **counts})
+        return ["decision.json"], {"live": live, "reason": reason, **counts}
+
+    return run_stage(ctx.run, "promote", _stage_config(ctx, "promote"), inputs, body, force,
+                     **_wiring(ctx, "promote"))
+
+
 def run_evaluate(ctx: RunContext, force: bool = False) -> StageOutcome:
     from ..evaluation.judge import make_chat
     from ..layout import build_layout
@@ -313,8 +376,8 @@ def run_evaluate(ctx: RunContext, force: bool = False) -> StageOutcome:
 
 
 STAGE_RUNNERS: dict[str, Callable[[RunContext, bool], StageOutcome]] = {
-    "chunk": run_chunk, "synthesize": run_synthesize, "verify": run_verify,
-    "targets": run_targets, "train": run_train, "evaluate": run_evaluate,
+    "chunk": run_chunk, "first": run_first, "synthesize": run_synthesize, "verify": run_verify,
+    "targets": run_targets, "train": run_train, "promote": run_promote, "evaluate": run_evaluate,
 }
 
 

@@ -186,10 +186,13 @@ def compare(
                                 "none, full, regression, mixed, distill, cartridges, matching, truncate, evict, "
                                 "attention_matching, and each baseline @int8 and @int4); kvpress presses by name: "
                                 "kvpress:kvzip, kvpress:snapkv, …, kvpress:all, with :int8 / :int4 for quantized "
-                                "keys and values (run in a venv of their own, built on first use)."),
+                                "keys and values (run in a venv of their own, built on first use). The run's own "
+                                "states (run:first, run:refined) are always compared when it has them."),
+    out: Optional[str] = typer.Option(None, "--out", help="Write the comparison into this directory instead "
+                                                          "of RUN_DIR/compare."),
 ) -> None:
     """Every system at equal bytes on the run's held-out pairs: trains what is missing, writes
-    RUN_DIR/compare/comparison.{parquet,md} and frontier.png."""
+    RUN_DIR/compare/comparison.{parquet,md} and frontier.png (or into --out DIR)."""
     _quiet_prefect()
     with _stoppable(False) as resume:
         resume.root = run_dir
@@ -209,7 +212,7 @@ def compare(
         flows.CONSOLE_PROGRESS = _tqdm_progress
         try:
             with prefect_api():
-                result = flows.nectar_compare(run_dir=run_dir, rhos=rhos or None, systems=names)
+                result = flows.nectar_compare(run_dir=run_dir, rhos=rhos or None, systems=names, out=out)
         except OrchestratorUnreachable:
             raise  # one line from _stoppable
         except Exception as exc:  # a train stage failed: its error.json is in its run dir; trained ones are cached
@@ -219,7 +222,7 @@ def compare(
             console.print("Fix the cause and run the same command again: trained systems are cached.")
             raise typer.Exit(1)
         typer.echo(result["table"])
-        typer.echo(f"{result['run_dir'].rstrip('/')}/compare/comparison.md")
+        typer.echo(f"{result['out'].rstrip('/')}/comparison.md")
 
 
 @app.command()
@@ -243,14 +246,15 @@ def status(run_dir: str = typer.Argument(..., help="A run directory, or a folder
 
 @app.command()
 def ask(
-    run_dir: str = typer.Argument(..., help="A run directory whose train stage completed."),
+    run_dir: str = typer.Argument(..., help="A run directory with a live state (from its first stage on)."),
     question: str = typer.Argument(..., help="The question about the document."),
     max_new_tokens: Optional[int] = typer.Option(None, help="Default: the run's evaluate setting."),
     temperature: Optional[float] = typer.Option(None, help="0 for greedy; default: the run's evaluate setting."),
     seed: int = typer.Option(0),
     debug: bool = typer.Option(False, "--debug", help="Show the traceback of an error."),
 ) -> None:
-    """Answer a question from the trained module, without the document in the context (streams)."""
+    """Answer a question from the run's live state (the first state while self-study runs, the refined
+    one once promoted), without the document in the context (streams)."""
     from ..serving.ask import ask as ask_module
     from .errors import reported
 
@@ -386,7 +390,16 @@ def _print_status(run_dir: str) -> None:
         table.add_row(stage, f"[{colors[st['state']]}]{st['state']}[/]", counts,
                       "" if st["duration_s"] is None else f"{st['duration_s']:.1f}")
     Console().print(table)
+    _print_live(run)
     _print_comparison(run)
+
+
+def _print_live(run) -> None:
+    """The time to the first usable state and to the refined one, and which answers (issue 39)."""
+    from ..orchestration.live import state_summary
+
+    for line in state_summary(run):
+        Console().print(line, soft_wrap=True, markup=False, highlight=False)
 
 
 def _print_comparison(run) -> None:

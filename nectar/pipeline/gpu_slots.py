@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from typing import Iterator
 
 GPU_LIMIT = "nectar-gpu"
-GPU_STAGES: tuple[str, ...] = ("targets", "train", "evaluate")
+GPU_STAGES: tuple[str, ...] = ("first", "targets", "train", "promote", "evaluate")
 
 
 def uses_gpu(stage: str) -> bool:

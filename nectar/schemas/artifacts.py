@@ -353,7 +353,7 @@ class ComparisonRow(QualityColumns):
     n_pairs: int
     kl_to_full: float | None
     system: str
-    kind: Literal["reference", "trained", "baseline", "kvpress"]
+    kind: Literal["reference", "trained", "baseline", "kvpress", "run"]  # run: the run's own first / refined state
     regime: str | None = None  # training regime of a trained system (nectar/schemas/presets.py REGIMES)
     arch: str | None = None
     rho: float | None = None  # the budget: share of the document KV bytes (None for none/full)
@@ -361,6 +361,7 @@ class ComparisonRow(QualityColumns):
     train_seconds: float | None = None  # training (trained), fitting (baseline) or press (kvpress) time
     # seconds from the document to a usable state: the document's prefill (full); the data stages
     # (chunk → targets, from the run's manifests) plus training (trained) or the fit (baselines that
-    # read the captured queries); the fit alone (truncate); the press alone (kvpress)
+    # read the captured queries); the fit alone (truncate); the press alone (kvpress); the run's own
+    # stages up to it (run: chunk → first for the first state, every stage through promote for the refined)
     state_seconds: float | None = None
     source: str | None = None  # where the module came from: its run directory, or the baseline's fit

@@ -15,7 +15,9 @@ SynthesisTask = Literal["qa", "summarization", "quoting", "paraphrasing"]
 TASK_TYPES: tuple[SynthesisTask, ...] = ("qa", "summarization", "quoting", "paraphrasing")
 ProbeKind = Literal["continue", "locate"]
 TaskType = Literal["qa", "summarization", "quoting", "paraphrasing", "continue", "locate", "recon"]
-STAGES: tuple[str, ...] = ("chunk", "synthesize", "verify", "targets", "train", "evaluate")
+# "first": a state from the document alone, servable before self-study; "promote": the refined
+# (train) state replaces it when better on the held-out pairs (nectar/stages/first.py, promote.py)
+STAGES: tuple[str, ...] = ("chunk", "first", "synthesize", "verify", "targets", "train", "promote", "evaluate")
 
 
 # RoPE types whose rotation is fixed per position. ``dynamic`` and ``longrope`` change the
@@ -214,6 +216,22 @@ class SelectionConfig(FrozenConfig):
     quant_aware: bool = added_setting(True)
 
 
+class FirstConfig(FrozenConfig):
+    """The first state (nectar/stages/first.py): keys chosen by reconstructing the document alone, the
+    closed-form β and values on the reconstruction queries, no LLM server — servable before self-study
+    starts; the promote stage replaces it by the refined (train) state when that is better on the run's
+    held-out pairs. Its bytes are the train module's (``train.module.rho`` of the float32 document KV)."""
+
+    enabled: bool = True
+    bits: Literal[32, 8, 4, 2] = 4  # storage precision of the kept keys and values (β bf16 below 32)
+    # kvzip_fit: ranked and fitted on the reconstruction queries only (no question exists yet)
+    select: SelectionConfig = SelectionConfig(fit_queries="recon", score_queries="recon")
+    seed: int = 0
+    # promote: the refined state goes live when its recovered KL on the held-out pairs (test + probes,
+    # pooled) beats the first state's with the paired interval of the difference above 0 at this level
+    confidence: float = Field(0.95, gt=0, lt=1)
+
+
 class ModuleConfig(FrozenConfig):
     arch: Literal["mlp", "quadrature"] = "mlp"
     rho: float = Field(0.02, gt=0)  # fraction of each head's KV cache (2·n·d)
@@ -324,3 +342,4 @@ class PipelineConfig(FrozenConfig):
     targets: TargetsConfig = TargetsConfig()
     train: TrainConfig = TrainConfig()
     evaluate: EvaluateConfig = EvaluateConfig()
+    first: FirstConfig = added_setting(FirstConfig())

@@ -48,6 +48,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         "targets": {"top_k": 8, "max_query_tokens": 128, "chunk_tokens": 16, "shard_tokens": 64},
         "train": {"samples": 800, "batch_size": 16, "eval_every": 25, "checkpoint_every": 25,
                   "module": {"rho": 0.25, "depths": [0, 2, 2]}},
+        # the first state at float32: at ρ 0.25 int4 would keep every key (7× the pairs), a fit of n × n
+        # systems per head that tests pay for in every tiny run
+        "first": {"bits": 32},
         "evaluate": {"max_samples": 4, "max_new_tokens_qa": 8, "max_new_tokens_other": 8,
                      "benchmark_lengths": [64, 128], "benchmark_new_tokens": 4,
                      "judge": {**_LOCAL_FAST, "max_new_tokens": 32}},

@@ -17,6 +17,7 @@ from ..layout import PromptLayout
 from ..modules.builder import NectarModule
 from ..modules.io import load_module
 from ..orchestration.context import open_run
+from ..orchestration.live import LIVE, read_live
 from ..schemas.artifacts import ModuleSpec
 from .limits import GenerationDefaults
 from .registry import ServedRun, open_document
@@ -38,14 +39,17 @@ class ServedModule:
 
 
 def open_served_run(run_dir: str) -> ServedRun:
-    """A run whose train stage completed (FileNotFoundError otherwise, naming the fix)."""
+    """A run with a live state — the first state (document alone) from the first stage on, the
+    refined one once the promote stage found it better (orchestration/live.py) — FileNotFoundError
+    otherwise, naming the fix."""
     ctx = open_run(run_dir)
-    if not ctx.run.exists("train", "module.json"):
-        raise FileNotFoundError(f"{ctx.run.url('train')}: no trained module (run the pipeline through "
-                                "the train stage first)")
+    live = read_live(ctx.run)
+    if live is None:
+        raise FileNotFoundError(f"{ctx.run.root}: no state to answer with yet (run the pipeline through "
+                                "the first stage, or the train stage, first)")
     ev = ctx.config.evaluate
     return ServedRun(run_dir=ctx.run.root, doc_id=ctx.info.doc_id, doc_sha256=ctx.info.sha256, text=ctx.text,
-                     model=ctx.config.model, module_url=ctx.run.url("train"),
+                     model=ctx.config.model, module_url=live.url,
                      defaults=GenerationDefaults(ev.max_new_tokens_other, ev.temperature, ev.top_p))
 
 
@@ -58,11 +62,14 @@ def expand_run_dirs(paths: list[str]) -> list[str]:
         if (root / "run.json").exists() or not root.is_dir():
             found.append(p)  # a run (open_run explains what is wrong with a path that is not)
             continue
-        runs = sorted({str(m.parent.parent) for pattern in ("*/train/module.json", "*/*/train/module.json")
+        live = "/".join(LIVE)
+        patterns = ("*/train/module.json", "*/*/train/module.json", f"*/{live}", f"*/*/{live}")
+        runs = sorted({str(m.parent.parent) for pattern in patterns
                        for m in root.glob(pattern) if (m.parent.parent / "run.json").exists()})
         if not runs:
-            raise FileNotFoundError(f"{p}: neither a run directory (no run.json) nor a directory of trained "
-                                    "runs (no */train/module.json or */*/train/module.json under it)")
+            raise FileNotFoundError(f"{p}: neither a run directory (no run.json) nor a directory of runs "
+                                    f"with a state (no */train/module.json or */{live} under it, one level "
+                                    "or two down)")
         found.extend(runs)
     return found
 

@@ -12,7 +12,9 @@ keeps its module alive until it ends, so the bound can be passed by the modules 
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -23,6 +25,8 @@ from ..modules.provider import FusedModuleDocState, inference_provider
 from ..schemas.artifacts import ModuleSpec
 from ..schemas.config import ModelConfig
 from .limits import GenerationDefaults
+
+LIVE_CHECK_S = 1.0  # how often a served run's live pointer is re-read (orchestration/live.py)
 
 # ModelConfig fields that say where the model runs, not which model it is
 _RESOURCE_FIELDS = {"device", "attention_backend"}
@@ -45,7 +49,7 @@ class ServedRun:
     doc_sha256: str
     text: str  # the document (tokenized for the prompt layout only)
     model: ModelConfig
-    module_url: str  # the train stage's directory
+    module_url: str  # the live state's directory (orchestration/live.py)
     defaults: GenerationDefaults  # the run's evaluation settings, where a request leaves a field out
 
 
@@ -55,7 +59,7 @@ class ServedDocument:
 
     name: str  # the model id clients send
     run_dir: str
-    module_url: str  # the train stage's directory
+    module_url: str  # the live state's directory (orchestration/live.py)
     doc_sha256: str
     spec: ModuleSpec
     layout: PromptLayout
@@ -98,6 +102,7 @@ class ModuleRegistry:
         self.documents = {d.name: d for d in documents}
         self._loaded: OrderedDict[str, FusedModuleDocState] = OrderedDict()
         self._lock = threading.Lock()
+        self._checked: dict[str, float] = {}  # name → when its live pointer was last read
         self.loads = 0  # module loads so far (a document dropped and asked again loads again)
         self.evictions = 0
 
@@ -119,6 +124,7 @@ class ModuleRegistry:
         """The document's module as a decode provider, loading it (and dropping the least recently
         used ones past the byte bound) if it is not loaded."""
         with self._lock:  # one load at a time: two requests for a cold document load it once
+            self._follow_live(name)
             if name in self._loaded:
                 self._loaded.move_to_end(name)
                 return self._loaded[name]
@@ -131,6 +137,30 @@ class ModuleRegistry:
                 self._loaded.popitem(last=False)
                 self.evictions += 1
             return provider
+
+    def _follow_live(self, name: str) -> None:
+        """A run whose live state changed since it was opened (its promote stage put the refined state
+        live while it was served): serve the new state from the next request on; rows decoding with
+        the old one finish on it. The pointer is re-read at most every LIVE_CHECK_S."""
+        from ..orchestration.executor import RunDir
+        from ..orchestration.live import read_live
+
+        now = time.monotonic()
+        if now - self._checked.get(name, float("-inf")) < LIVE_CHECK_S:
+            return
+        self._checked[name] = now
+        doc = self.documents[name]
+        try:
+            state = read_live(RunDir(doc.run_dir))
+            if state is None or state.url == doc.module_url:
+                return
+            spec = read_spec(state.url)
+        except (OSError, ValueError, KeyError):  # unreadable now: keep serving what is loaded
+            return
+        if spec.n_context != doc.spec.n_context or spec.doc_sha256 != doc.doc_sha256:
+            return
+        self.documents[name] = dataclasses.replace(doc, module_url=state.url, spec=spec)
+        self._loaded.pop(name, None)
 
     def _bytes(self) -> int:
         return sum(p.module.resident_bytes for p in self._loaded.values())

@@ -15,7 +15,7 @@ def test_registry_holds_the_issue_systems_once_each():
                              "evict", "attention_matching", "attention_matching_kv", "kvzip_select", "kvzip_select_layer",
                              "kvzip_select_mean", "kvzip_fit", "kvzip_fit_layer", "kvzip_fit_recon",
                              "kvzip_fit_nosink", "kvzip_fit_template", "kvzip_fit_qa", "kvzip_train", "kvzip_train_recon",
-                             "kvzip_distill", *quantized, *kvzip_quantized,
+                             "kvzip_distill", *quantized, *kvzip_quantized, "kvzip_first@int4",
                                  "kvzip_train_qa@int4", "kvzip_train_qa_fast@int4", "kvzip_train_qa_float@int4", "kvzip_distill_qa@int4",
                              "attention_matching_kv@int8", "attention_matching_kv@int4"]
     assert {s.name for s in SYSTEMS.values() if s.kind == "reference"} == {"none", "full"}

@@ -62,7 +62,7 @@ def deployed(prefect_server, tmp_path_factory):
 def test_deploy_registers_pipeline_and_stage_deployments_with_gpu_limits(deployed):
     names = set(deployed["ids"])
     assert names == {"nectar-pipeline/pipeline", *(f"nectar-stage/{s}" for s in
-                     ("chunk", "synthesize", "verify", "targets", "train", "evaluate"))}
+                     ("chunk", "first", "synthesize", "verify", "targets", "train", "promote", "evaluate"))}
     with client() as c:
         pipeline = c.read_deployment_by_name("nectar-pipeline/pipeline")
         assert pipeline.work_pool_name == POOL and pipeline.parameters["preset"] == "tiny"

@@ -1,0 +1,109 @@
+"""Which of a run's states answers (``nectar ask``, ``nectar serve``): the live pointer.
+
+    <run>/state/live.json        {"stage": "first" | "train", "dir": "state/<sha16>", "reason": …}
+    <run>/state/<sha16>/         module.safetensors + module.json, a copy named by the weights' sha256
+
+A stage folder is cleared when the stage re-runs, so the live state is never read from one: the
+first and promote stages copy the state they publish into a folder named by its content (written
+once, each file atomically, never changed after) and only then replace ``live.json`` atomically.
+A reader sees the old state or the new one, never a half-written one, and a re-run of ``first``
+or ``train`` cannot pull the files from under a server. Runs made before the pointer existed
+answer with their train stage's module.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+
+from ..storage import atomic_write
+from .executor import RunDir, now
+
+LIVE = ("state", "live.json")
+FILES = ("module.safetensors", "module.json")
+
+
+@dataclass(frozen=True)
+class LiveState:
+    stage: str  # the stage that made it: "first" or "train"
+    url: str  # the folder holding module.safetensors and module.json
+    reason: str
+    since: str | None = None
+
+
+def _sha256(url: str) -> str:
+    import hashlib
+
+    fs, path = fsspec.core.url_to_fs(url)
+    h = hashlib.sha256()
+    with fs.open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def publish(run: RunDir, stage: str, reason: str, extra: dict[str, Any] | None = None) -> LiveState:
+    """Make ``stage``'s module (in ``<run>/<stage>/``) the live state: copy it into its content-named
+    folder (unless there already), then replace the pointer. Returns what is live now."""
+    digest = _sha256(run.url(stage, FILES[0]))
+    folder = ("state", digest[:16])
+    if not run.exists(*folder, FILES[1]):  # module.json is written last: present ⇔ complete
+        for name in FILES:
+            fs, path = fsspec.core.url_to_fs(run.url(stage, name))
+            atomic_write(run.url(*folder, name), fs.cat_file(path))
+    record = {"stage": stage, "dir": "/".join(folder), "module_sha256": digest, "reason": reason, "since": now(),
+              **(extra or {})}
+    atomic_write(run.url(*LIVE), json.dumps(record, indent=1))
+    return LiveState(stage, run.url(*folder), reason, record["since"])
+
+
+def read_live(run: RunDir) -> LiveState | None:
+    """The live state, or None when the run has none yet (no state of either stage)."""
+    if run.exists(*LIVE):
+        record = json.loads(run.fs.cat_file(run.local_path(*LIVE)))
+        return LiveState(record["stage"], run.url(*record["dir"].split("/")), record["reason"], record.get("since"))
+    if run.exists("train", "module.json"):  # a run made before the live pointer
+        return LiveState("train", run.url("train"), "the train stage's module (no live pointer in this run)")
+    return None
+
+
+def live_stage(run: RunDir) -> str | None:
+    state = read_live(run)
+    return state.stage if state else None
+
+
+# The stages a run's states wait for, in the DAG's order: the first state after chunk → first (no
+# LLM server); the refined one after every stage up to the promote stage that put it live.
+FIRST_PATH = ("chunk", "first")
+REFINED_PATH = ("chunk", "first", "synthesize", "verify", "targets", "train", "promote")
+
+
+def seconds_to(run: RunDir, stages: tuple[str, ...]) -> float | None:
+    """Seconds the stages took when they ran (their manifests' durations, summed): the time from the
+    document to that state in a run that ran them in order; None when one has not completed."""
+    total = 0.0
+    for stage in stages:
+        manifest = run.read_manifest(stage)
+        if manifest is None:
+            return None
+        total += manifest.duration_s
+    return total
+
+
+def state_summary(run: RunDir) -> list[str]:
+    """Lines for ``nectar run``: the time to the first usable state, to the refined one, and which
+    one answers now, where, and why."""
+    lines = []
+    first_s = seconds_to(run, FIRST_PATH)
+    if first_s is not None and run.exists("first", "module.json"):
+        lines.append(f"first usable state: {first_s:.1f} s from the document (chunk → first, no LLM server; "
+                     f"{run.url('first')})")
+    refined_s = seconds_to(run, REFINED_PATH)
+    if refined_s is not None:
+        lines.append(f"refined state: {refined_s:.1f} s (every stage through promote; {run.url('train')})")
+    state = read_live(run)
+    if state is not None:
+        lines.append(f"live: {state.stage} state at {state.url} — {state.reason}")
+    return lines
