@@ -18,7 +18,7 @@ from nectar.pipeline.corpus import corpus_name, is_corpus
 def docs(tmp_path: Path) -> Path:
     folder = tmp_path / "docs"
     folder.mkdir()
-    for name in ("b.txt", "a.txt", "c.md"):
+    for name in ("b.txt", "a.txt", "c.rst"):
         (folder / name).write_text(f"text of {name}\n")
     (folder / ".hidden").write_text("x")
     return folder
@@ -27,7 +27,7 @@ def docs(tmp_path: Path) -> Path:
 def test_directory_glob_and_files_expand_in_order_each_once(docs: Path):
     entries = expand([str(docs), str(docs / "*.txt"), str(docs / "a.txt"), "pydoc:naming"])
     assert [Path(e.document).name if "/" in e.document else e.document for e in entries] == \
-        ["a.txt", "b.txt", "c.md", "pydoc:naming"]  # sorted directory, then the glob's and file's repeats dropped
+        ["a.txt", "b.txt", "c.rst", "pydoc:naming"]  # sorted directory, then the glob's and file's repeats dropped
 
 
 def test_jsonl_manifest_paths_are_relative_to_it_and_carry_run_dir_and_overrides(docs: Path):
@@ -43,8 +43,8 @@ def test_jsonl_manifest_paths_are_relative_to_it_and_carry_run_dir_and_overrides
 
 def test_plain_and_yaml_manifests(docs: Path):
     plain = docs.parent / "corpus.manifest"
-    plain.write_text("docs/a.txt\n  # skipped\ndocs/c.md\n")
-    assert [Path(e.document).name for e in read_manifest(str(plain))] == ["a.txt", "c.md"]
+    plain.write_text("docs/a.txt\n  # skipped\ndocs/c.rst\n")
+    assert [Path(e.document).name for e in read_manifest(str(plain))] == ["a.txt", "c.rst"]
     yml = docs.parent / "corpus.yaml"
     yml.write_text("- docs/b.txt\n- {document: docs/a.txt, run_dir: /r/a}\n")
     b, a = read_manifest(str(yml))
