@@ -114,14 +114,17 @@ def watch(rows: list[DocRow], runs: dict[str, Any], opts: CorpusOptions, notify:
     deadline = time.monotonic() + opts.timeout_s
     by_dir = {r.run_dir: r for r in rows}
     pending = dict(runs)
+    # One API read per poll for all runs; a large corpus polls less often (the server serves workers too).
+    poll_s = max(opts.poll_s, len(pending) / 100)
     while pending:
         if time.monotonic() > deadline:
             raise TimeoutError(f"corpus {opts.name}: {len(pending)} document(s) not finished after "
                                f"{opts.timeout_s:.0f} s ({summary(rows)}); run the same command again to follow them")
         changed = False
         with api_client() as client:
+            flow_runs = _read_runs(client, list(pending.values()))
             for run_dir, fr_id in list(pending.items()):
-                fr, row = client.read_flow_run(fr_id), by_dir[run_dir]
+                fr, row = flow_runs[str(fr_id)], by_dir[run_dir]
                 before = (row.state, row.stage, row.host)
                 _update_row(row, fr, client)
                 if row.state in ("failed", "crashed"):
@@ -143,19 +146,37 @@ def watch(rows: list[DocRow], runs: dict[str, Any], opts: CorpusOptions, notify:
         if changed:
             publish(rows, opts.name)
         if pending:
-            time.sleep(opts.poll_s)
+            time.sleep(poll_s)
     publish(rows, opts.name)
     return rows
 
 
+def _read_runs(client, ids: list) -> dict[str, Any]:
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    out: dict[str, Any] = {}
+    for i in range(0, len(ids), 200):  # the API's page size
+        chunk = ids[i:i + 200]
+        for fr in client.read_flow_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=chunk)),
+                                        limit=len(chunk)):
+            out[str(fr.id)] = fr
+    return out
+
+
 def _update_row(row: DocRow, fr, client) -> None:
-    row.state = _row_state(fr.state.type.value)
-    host = worker_host(client, fr.id)
-    row.host = host or row.host
-    p = progress(row.run_dir)
-    if row.state == "done":
+    state = _row_state(fr.state.type.value)
+    attempt = (fr.run_count, state)
+    if state != "queued" and (row.extra.get("seen") != attempt or not row.host):
+        # A new state or attempt (or the worker's log line not in yet): which worker has it, one log query.
+        row.extra["seen"] = attempt
+        row.host = worker_host(client, fr.id) or row.host
+    row.state = state
+    if state == "queued":
+        return
+    p = progress(row.run_dir)  # manifests only: cheap enough each poll for the runs in progress
+    if state == "done":
         row.stage, row.detail = "", f"{p.stages_done} stages"
-    elif row.state in ("failed", "crashed"):
+    elif state in ("failed", "crashed"):
         row.stage = p.stage or ""
         row.detail = (p.error or fr.state.message or "")[:160]
     else:
