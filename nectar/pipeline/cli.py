@@ -79,7 +79,8 @@ def run(
     from .corpus import is_corpus
 
     if is_corpus(documents):
-        return _run_corpus(list(documents or []), preset, config, list(set_), runs, debug)
+        return _run_corpus(list(documents or []), preset, config, list(set_), runs, debug,
+                           dict(run_dir=run_dir, from_=from_stage, only=only_stage, force=force, regime=regime))
     document = documents[0] if documents else None
     with _stoppable(debug) as resume:
         # Everything a user can get wrong is checked here, before Prefect starts (the core's first step).
@@ -104,11 +105,12 @@ def run(
 
 
 def _run_corpus(documents: list[str], preset: str, config: Optional[str], set_: list[str], runs: str,
-                debug: bool) -> None:
+                debug: bool, single_only: dict) -> None:
     """``nectar run`` of several documents: each in this process, the table at the end; exit 1 if any failed."""
     with _stoppable(debug):
         from . import corpus
 
+        corpus.check_single_document_flags(**single_only)
         docs = corpus.plan(documents, preset, config, set_, runs)  # every document checked before the first runs
         from .prefect_api import prefect_api
 
@@ -522,10 +524,11 @@ def trigger_cmd(
     retries: int = typer.Option(1, min=0, help="corpus with --wait: retries of a failed or crashed run"),
 ) -> None:
     """Start a pipeline run for a document (or one per document of a corpus) through the Prefect server."""
-    from .corpus import corpus_name as default_name, is_corpus, trigger_command
+    from .corpus import check_single_document_flags, corpus_name as default_name, is_corpus, trigger_command
 
     if is_corpus(documents) or runs or corpus_name or llm_url:
         try:
+            check_single_document_flags(run_dir=run_dir, from_=from_stage, only=only_stage, force=force)
             rows = trigger_command(list(documents), preset, config, list(override or []), runs, corpus_name,
                                    llm_url, retries, wait, timeout, _notice)
         except Exception as exc:

@@ -285,6 +285,17 @@ def is_corpus(documents: list[str] | None) -> bool:
     return "://" not in one and (os.path.isdir(one) or any(c in one for c in "*?[") or is_manifest(one))
 
 
+def check_single_document_flags(**given: Any) -> None:
+    """Flags that address one run directory mean nothing for a corpus: say so instead of ignoring them."""
+    from ..orchestration.corpus import CorpusError
+
+    used = [f"--{k.rstrip('_').replace('_', '-')}" for k, v in given.items() if v]
+    if used:
+        raise CorpusError(f"{', '.join(used)} apply to one document; a corpus gives each document its own run "
+                          "directory (a manifest entry's run_dir) and resumes failed ones at their failed stage "
+                          "by itself — drop the flag, or run that document alone")
+
+
 def corpus_name(documents: list[str]) -> str:
     """The manifest's or directory's name; otherwise a short hash of the arguments."""
     import hashlib

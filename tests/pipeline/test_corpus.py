@@ -96,3 +96,22 @@ def test_what_counts_as_a_corpus(docs: Path):
     assert is_corpus([str(docs)]) and is_corpus([str(docs / "*.txt")]) and is_corpus(["a", "b"])
     assert is_corpus(["x.jsonl"]) and is_manifest("x.yml") and not is_corpus(["s3://b/x.txt"])
     assert corpus_name([str(docs)]) == "docs" and corpus_name(["a", "b"]).startswith("corpus-")
+
+
+@pytest.mark.slow
+def test_deploy_keeps_one_crash_automation_and_updates_its_window(prefect_server):
+    """`nectar deploy` twice: one `nectar-crashed-runs` automation, its window the latest (the
+    behaviour — a dead host's run marked Crashed and retried — is test_corpus_hosts.py)."""
+    from prefect.automations import Automation
+    from prefect.client.orchestration import get_client
+
+    from nectar.pipeline import deploy as dep
+
+    dep.ensure_crash_detection(600)
+    dep.ensure_crash_detection(90)
+    with get_client(sync_client=True) as client:
+        found = client.read_automations_by_name(dep.CRASH_AUTOMATION)
+    assert len(found) == 1
+    auto = Automation.read(name=dep.CRASH_AUTOMATION)
+    assert auto.trigger.within.total_seconds() == 90 and auto.trigger.posture.value == "Proactive"
+    assert auto.trigger.after == {"prefect.flow-run.heartbeat"} and auto.actions[0].state.value == "CRASHED"

@@ -73,3 +73,11 @@ def test_rerun_skips_finished_documents_and_retries_the_failed_one_from_its_stag
     assert (a_dir / "evaluate" / "manifest.json").read_bytes() == a_eval  # the finished one untouched
     assert (b_dir / "chunk" / "manifest.json").read_bytes() == b_chunk  # resumed at synthesize: chunk kept
     assert progress(str(b_dir), verify=True).state == "done"
+
+
+def test_flags_for_one_run_directory_are_refused_for_a_corpus(tmp_path: Path):
+    a, b = _write_docs(tmp_path)
+    done = _nectar(tmp_path, "run", str(a), str(b), "--preset", "tiny", "--from", "train", "--force")
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert lines[0].startswith("error: --from, --force apply to one document"), lines
