@@ -277,7 +277,11 @@ def status(run_dir: str = typer.Argument(..., help="A run directory, or a folder
     except ImportError:
         console.print(f"[red]error:[/red] {run_dir} is not a run directory (no run.json)")
         raise typer.Exit(1)
-    print_runs_status(run_dir)
+    try:
+        print_runs_status(run_dir)
+    except FileNotFoundError as exc:  # a mistyped runs root: one line, not a traceback
+        console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
+        raise typer.Exit(1)
 
 
 @app.command()

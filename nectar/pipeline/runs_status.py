@@ -160,7 +160,7 @@ def _format_counts(counts: dict[str, Any], limit: int = 4) -> str:
 def run_table(status: RunStatus):
     from rich.table import Table
 
-    title = f"{status.doc_id} / {status.run_id}  [{status.state}]"
+    title = f"{status.doc_id} / {status.run_id}  \\[{status.state}]"  # \\[: a literal bracket, not rich markup
     caption = f"{status.run_dir}  ·  source {status.source_uri}  ·  preset {status.preset or '?'}"
     table = Table(title=title, caption=caption, title_justify="left", caption_justify="left")
     for col in ("stage", "state", "counts", "finished", "s"):
