@@ -63,6 +63,8 @@ def main() -> None:
     ap.add_argument("--workers", default="1,2")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    # A timeout's SIGTERM must still stop the server and workers (the finally below), not orphan them.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     from pydoc_data.topics import topics
 
     work = Path(tempfile.mkdtemp(prefix="nectar-bench-corpus-"))
