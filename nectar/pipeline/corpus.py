@@ -88,16 +88,19 @@ def _active_runs(docs: list[PlannedDoc]) -> dict[str, Any]:
     from prefect.client.schemas.objects import StateType
 
     by_tag = {run_tag(d): d.run_dir for d in docs}
+    flt = FlowRunFilter(tags=FlowRunFilterTags(all_=["nectar"]),
+                        state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType(s) for s in ACTIVE])))
+    out, offset, page = {}, 0, 200
     with api_client() as client:
-        found = client.read_flow_runs(flow_run_filter=FlowRunFilter(
-            tags=FlowRunFilterTags(all_=["nectar"]),
-            state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType(s) for s in ACTIVE]))))
-    out = {}
-    for fr in found:
-        for tag in fr.tags:
-            if tag in by_tag:
-                out[by_tag[tag]] = fr
-    return out
+        while True:  # every active nectar run, a page at a time (the server caps a page)
+            found = client.read_flow_runs(flow_run_filter=flt, limit=page, offset=offset)
+            for fr in found:
+                for tag in fr.tags:
+                    if tag in by_tag:
+                        out[by_tag[tag]] = fr
+            if len(found) < page:
+                return out
+            offset += page
 
 
 def _row_state(state_type: str) -> str:
