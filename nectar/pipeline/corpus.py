@@ -187,16 +187,20 @@ def _update_row(row: DocRow, fr, client) -> None:
 
 
 def worker_host(client, flow_run_id) -> str | None:
-    """The worker that took the flow run's latest attempt: its 'submitting flow run' log line."""
+    """The host running the flow run's latest attempt: the pipeline flow's first log line.
+
+    Not the worker's "submitting flow run" line: two workers polling at once can both log it for
+    one run, and the server then rejects one of them."""
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
     from prefect.client.schemas.sorting import LogSort
+
+    from .flows import RUNS_ON
 
     logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])),
                             sort=LogSort.TIMESTAMP_DESC, limit=200)
     for log in logs:
-        msg = log.message
-        if msg.startswith("Worker '") and "submitting flow run" in msg:
-            return msg.split("'")[1]
+        if log.message.startswith(RUNS_ON):
+            return log.message[len(RUNS_ON):].split()[0]
     return None
 
 

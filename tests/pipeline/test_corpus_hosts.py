@@ -53,15 +53,18 @@ def _corpus_runs(tag: str):
 
 
 def _submissions(flow_run_id) -> list[str]:
-    """The workers that took the flow run, oldest first (their 'submitting flow run' log lines)."""
+    """The hosts that ran the flow run's attempts, oldest first (each attempt's first log line names
+    its host; a worker's "submitting" line is not proof: two workers can both claim a run, the
+    server then rejects one — seen at a load average of 100)."""
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
     from prefect.client.schemas.sorting import LogSort
+
+    from nectar.pipeline.flows import RUNS_ON
 
     with _client() as c:
         logs = c.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])),
                            sort=LogSort.TIMESTAMP_ASC, limit=200)
-    return [log.message.split("'")[1] for log in logs
-            if log.message.startswith("Worker '") and "submitting flow run" in log.message]
+    return [log.message[len(RUNS_ON):].split()[0] for log in logs if log.message.startswith(RUNS_ON)]
 
 
 @pytest.fixture
