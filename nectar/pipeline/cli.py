@@ -57,9 +57,10 @@ def _quiet_prefect(debug: bool = False) -> None:
 
 @app.command()
 def run(
-    document: Optional[str] = typer.Argument(
+    documents: Optional[List[str]] = typer.Argument(
         None, help="Path, fsspec URL or pydoc:<topic> (default: pydoc:naming; with --only on an existing "
-                   "run, the run's)."),
+                   "run, the run's). Several, a glob, a directory or a manifest (*.jsonl, *.yaml, *.manifest): "
+                   "a corpus, one run each under --runs, finished ones skipped, failed ones retried."),
     preset: str = typer.Option("cpu", help="tiny | cpu | paper"),
     config: Optional[str] = typer.Option(None, "--config", help="YAML file of overrides."),
     regime: Optional[str] = typer.Option(None, help="regression | mixed | distill | cartridges | matching"),
@@ -71,9 +72,16 @@ def run(
     no_wait: bool = typer.Option(False, "--no-wait", help="If another process is writing the run directory, "
                                                           "exit at once (code 3) instead of waiting for it."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks and Prefect's own logs."),
+    runs: str = typer.Option("runs", "--runs", help="A corpus's run root: runs/<doc-id>/<run-id> each."),
 ) -> None:
-    """Run the pipeline for one document."""
+    """Run the pipeline for one document (or a corpus, one document after the other)."""
     _quiet_prefect(debug)
+    from .corpus import is_corpus
+
+    if is_corpus(documents):
+        return _run_corpus(list(documents or []), preset, config, list(set_), runs, debug,
+                           dict(run_dir=run_dir, from_=from_stage, only=only_stage, force=force, regime=regime))
+    document = documents[0] if documents else None
     with _stoppable(debug) as resume:
         # Everything a user can get wrong is checked here, before Prefect starts (the core's first step).
         from ..orchestration import plan_document, run_lock
@@ -94,6 +102,37 @@ def run(
                 run_dir=request.run.root, from_stage=from_stage, only_stage=only_stage, force=force, regime=regime)
         _print_status(result["run_dir"])  # reads every output byte: Ctrl-C stops it too
         typer.echo(result["run_dir"])
+
+
+def _run_corpus(documents: list[str], preset: str, config: Optional[str], set_: list[str], runs: str,
+                debug: bool, single_only: dict) -> None:
+    """``nectar run`` of several documents: each in this process, the table at the end; exit 1 if any failed."""
+    with _stoppable(debug):
+        from . import corpus
+
+        corpus.check_single_document_flags(**single_only)
+        docs = corpus.plan(documents, preset, config, set_, runs)  # every document checked before the first runs
+        from .prefect_api import prefect_api
+
+        with prefect_api():
+            from . import flows
+
+            flows.CONSOLE_PROGRESS, flows.CONSOLE_NOTICE = _tqdm_progress, _notice
+            rows = corpus.run_here(docs, lambda d: flows.nectar_pipeline(
+                document=d.document, preset=preset, config_file=config, overrides=[*set_, *d.entry.overrides],
+                run_dir=d.run_dir), _notice, lambda: shutdown.stopped_by()[0] is not None)
+            corpus.publish(rows, corpus.corpus_name(documents))
+        _report_corpus(rows, corpus.corpus_name(documents))
+
+
+def _report_corpus(rows, name: str) -> None:
+    from .corpus import table
+
+    Console().print(table(rows, f"corpus {name}"))
+    if any(r.state in ("failed", "crashed") for r in rows):
+        _notice("fix the cause and run the same command again: finished documents are skipped, failed ones "
+                "resume at their failed stage")
+        raise typer.Exit(1)
 
 
 class _Resume:
@@ -241,7 +280,11 @@ def status(run_dir: str = typer.Argument(..., help="A run directory, or a folder
     except ImportError:
         console.print(f"[red]error:[/red] {run_dir} is not a run directory (no run.json)")
         raise typer.Exit(1)
-    print_runs_status(run_dir)
+    try:
+        print_runs_status(run_dir)
+    except FileNotFoundError as exc:  # a mistyped runs root: one line, not a traceback
+        console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
+        raise typer.Exit(1)
 
 
 @app.command()
@@ -478,7 +521,8 @@ def schedule_cmd(
 
 @app.command("trigger")
 def trigger_cmd(
-    document: str = typer.Argument(..., help="document URI (local path or fsspec URL)"),
+    documents: List[str] = typer.Argument(..., help="document URI (local path or fsspec URL); several, a glob, "
+                                          "a directory or a manifest: a corpus (one flow run each)"),
     preset: str | None = typer.Option(None, help="default: the deployment's"),
     config: str | None = typer.Option(None, "--config"),
     override: list[str] | None = _OVERRIDE,
@@ -488,8 +532,26 @@ def trigger_cmd(
     force: bool = typer.Option(False, "--force", help="ignore the cache for every stage"),
     wait: bool = typer.Option(False, help="wait for the run to finish and print each stage's state"),
     timeout: float = typer.Option(3600.0, help="seconds to wait with --wait"),
+    runs: str | None = typer.Option(None, "--runs", help="corpus: the run root every worker reaches "
+                                    "(default: <the deployment's working dir>/runs)"),
+    corpus_name: str | None = typer.Option(None, "--corpus", help="corpus: its name (tag corpus:<name>, "
+                                           "artifact corpus-<name>)"),
+    llm_url: str | None = typer.Option(None, "--llm-url", help="corpus: one OpenAI-compatible server for every "
+                                       "document's LLM roles (synthesis, re-answer, judges)"),
+    retries: int = typer.Option(1, min=0, help="corpus with --wait: retries of a failed or crashed run"),
 ) -> None:
-    """Start a pipeline run for a document through the Prefect server (a worker executes it)."""
+    """Start a pipeline run for a document (or one per document of a corpus) through the Prefect server."""
+    from .corpus import check_single_document_flags, corpus_name as default_name, is_corpus, trigger_command
+
+    if is_corpus(documents) or runs or corpus_name or llm_url:
+        try:
+            check_single_document_flags(run_dir=run_dir, from_=from_stage, only=only_stage, force=force)
+            rows = trigger_command(list(documents), preset, config, list(override or []), runs, corpus_name,
+                                   llm_url, retries, wait, timeout, _notice)
+        except Exception as exc:
+            _fail(exc)
+        return _report_corpus(rows, corpus_name or default_name(list(documents)))
+    document = documents[0]
     try:
         _report(operations.trigger(document, preset, config, override, run_dir, from_stage, only_stage, force),
                 wait, timeout)

@@ -9,6 +9,8 @@ What ``nectar deploy`` registers on the server in ``PREFECT_API_URL``:
     <stage flow>/<stage>                     one per stage: re-run that stage of an existing run
                                              (GPU stages go to the ``gpu`` queue)
     global concurrency limit nectar-gpu      one slot per GPU, held by GPU stages inside pipeline runs
+    automation nectar-crashed-runs           a flow run whose heartbeats stop (its worker or host died)
+                                             is marked Crashed, so a corpus retries it on another worker
 
 Entrypoints are module paths (``nectar.pipeline.flows.nectar_pipeline``): workers import the
 installed package and the Docker image is the code. Every deployment gets ONE pull step,
@@ -158,6 +160,45 @@ def ensure_gpu_limit(gpus: int = 1, name: str = GPU_LIMIT) -> None:
         client.upsert_global_concurrency_limit_by_name(name, gpus)
 
 
+CRASH_AUTOMATION = "nectar-crashed-runs"
+CRASH_AFTER_S = 600.0  # flow runs send a heartbeat every PREFECT_FLOWS_HEARTBEAT_FREQUENCY s (180 by default)
+
+
+def ensure_crash_detection(within_s: float = CRASH_AFTER_S, name: str = CRASH_AUTOMATION) -> None:
+    """Prefect's answer to a worker that dies mid-run: an automation that marks a running flow run
+    Crashed when no heartbeat (nor end) follows its last heartbeat within ``within_s`` seconds.
+
+    Without it a killed host's flow run stays Running forever and nobody retries it. Set
+    ``within_s`` above the workers' heartbeat period (PREFECT_FLOWS_HEARTBEAT_FREQUENCY) — a long
+    stage keeps beating, so only a silent process is declared dead. Created or updated in place."""
+    from datetime import timedelta
+
+    from prefect.automations import Automation
+    from prefect.client.schemas.objects import StateType
+    from prefect.events.actions import ChangeFlowRunState
+    from prefect.events.schemas.automations import EventTrigger, Posture
+
+    trigger = EventTrigger(
+        after={"prefect.flow-run.heartbeat"},
+        expect={"prefect.flow-run.heartbeat", "prefect.flow-run.Completed", "prefect.flow-run.Failed",
+                "prefect.flow-run.Cancelled", "prefect.flow-run.Crashed"},
+        match={"prefect.resource.id": ["prefect.flow-run.*"]}, for_each={"prefect.resource.id"},
+        posture=Posture.Proactive, threshold=1, within=timedelta(seconds=within_s))
+    action = ChangeFlowRunState(state=StateType.CRASHED,
+                                message=f"no heartbeat for {within_s:.0f} s: its worker or host stopped")
+    auto = Automation(name=name, description="Mark flow runs whose process died as Crashed", trigger=trigger,
+                      actions=[action])
+    try:
+        existing = Automation.read(name=name)
+    except ValueError:  # not there yet
+        existing = None
+    if existing is None:
+        auto.create()
+    else:
+        auto.id = existing.id
+        auto.update()
+
+
 # ----------------------------------------------------------------------------------- deployments
 
 def _runner_deployment(entrypoint: str, name: str, pool: str, **kwargs: Any):
@@ -222,8 +263,9 @@ def apply(deployments: list, working_dir: str) -> dict[str, str]:
 
 def deploy(pool: str = DEFAULT_POOL, preset: str = "cpu", config_file: str | None = None,
            overrides: list[str] | None = None, working_dir: str | None = None, gpus: int = 1,
-           env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """``nectar deploy``: the pool, the GPU limits, the pipeline deployment and the stage deployments.
+           env: Mapping[str, str] | None = None, crash_after_s: float | None = CRASH_AFTER_S) -> dict[str, str]:
+    """``nectar deploy``: the pool, the GPU limits, the crash detection, the pipeline deployment and the
+    stage deployments (``crash_after_s=None``: no crash detection).
 
     ``working_dir`` (default: the current directory) is where flow runs start on the worker.
     """
@@ -231,6 +273,8 @@ def deploy(pool: str = DEFAULT_POOL, preset: str = "cpu", config_file: str | Non
     working_dir = str(working_dir or os.getcwd())
     ensure_work_pool(pool, gpus)
     ensure_gpu_limit(gpus)
+    if crash_after_s:
+        ensure_crash_detection(crash_after_s)
     deps = [pipeline_deployment(pool, params, working_dir, env=env), *stage_deployments(pool, working_dir, env)]
     return apply(deps, working_dir)
 

@@ -37,11 +37,12 @@ def _bad_input_types() -> tuple[type[BaseException], ...]:
     from ..base_model import ModelLoadError
     from ..modules.io import ModuleMismatch
     from ..orchestration.context import StageInputError
+    from ..orchestration.corpus import CorpusError
     from ..schemas.presets import ConfigError
     from ..tables import ArtifactError
 
     return (DocumentError, ContextTooLongError, ConfigError, ArtifactError, StageInputError, ModelLoadError,
-            ModuleMismatch, FileNotFoundError, IsADirectoryError, NotADirectoryError)
+            ModuleMismatch, CorpusError, FileNotFoundError, IsADirectoryError, NotADirectoryError)
 
 
 def interrupted_line(exc: BaseException, resume: str | None = None) -> tuple[str, int]:

@@ -8,7 +8,9 @@ a server when PREFECT_API_URL is set.
 """
 from __future__ import annotations
 
+import os
 import re
+import socket
 import time
 from typing import Any, Callable
 
@@ -25,6 +27,10 @@ from .gpu_slots import doc_slot, gpu_slot
 from ..schemas.config import STAGES
 from ..schemas.presets import load_config
 from ..storage import atomic_write
+
+# The first log line of a pipeline run: the host it runs on. A corpus reads it back (the worker's own
+# "submitting" line can name a worker whose claim the server then rejected).
+RUNS_ON = "nectar-pipeline runs on host "
 
 # The CLI sets this to a terminal progress-bar factory; flows also publish Prefect progress.
 CONSOLE_PROGRESS: Callable[[str], Callable[[int, int], None]] | None = None
@@ -162,6 +168,7 @@ def nectar_pipeline(
     """chunk → synthesize → verify → targets → train → evaluate for one document: the orchestration
     core (``orchestration.run_document``) with each stage as a subflow, one run per document at a
     time on a server (``doc_slot``)."""
+    get_run_logger().info("%s%s (pid %d)", RUNS_ON, socket.gethostname(), os.getpid())  # for `nectar trigger`'s table
     config = load_config(preset, config_file, regime, overrides or [])
     done = orchestration.run_document(document, config, run_dir, from_stage=from_stage, only_stage=only_stage,
                                       force=force, run_one=_stage_subflow, notify=_notify, slot=doc_slot)

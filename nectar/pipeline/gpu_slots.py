@@ -17,6 +17,9 @@ from contextlib import contextmanager
 from typing import Iterator
 
 GPU_LIMIT = "nectar-gpu"
+# A slot's lease: the holder renews it while alive; a dead host's slot is freed this long after its
+# last renewal (Prefect's default 300 s, its minimum 60 s). NECTAR_SLOT_LEASE_S shortens it.
+SLOT_LEASE_S = max(60.0, float(os.environ.get("NECTAR_SLOT_LEASE_S", "300")))
 GPU_STAGES: tuple[str, ...] = ("first", "targets", "train", "promote", "evaluate")
 
 
@@ -39,7 +42,7 @@ def gpu_slot(stage: str, limit_name: str = GPU_LIMIT, timeout_s: float | None = 
     from prefect.concurrency.sync import concurrency
 
     # strict=False: a server without the limit (deploy not run yet) still runs the stage.
-    with concurrency(limit_name, occupy=1, timeout_seconds=timeout_s, strict=False):
+    with concurrency(limit_name, occupy=1, timeout_seconds=timeout_s, lease_duration=SLOT_LEASE_S, strict=False):
         yield True
 
 
@@ -75,5 +78,5 @@ def doc_slot(doc_id: str, timeout_s: float | None = None) -> Iterator[bool]:
                 client.upsert_global_concurrency_limit_by_name(name, 1)
             except ObjectAlreadyExists:
                 pass  # another process's first run of it created the limit between our read and write
-    with concurrency(name, occupy=1, timeout_seconds=timeout_s, strict=False):
+    with concurrency(name, occupy=1, timeout_seconds=timeout_s, lease_duration=SLOT_LEASE_S, strict=False):
         yield True

@@ -21,7 +21,7 @@ def _flow_name(entrypoint: str) -> str:
 def trigger(document: str, preset: str | None = None, config_file: str | None = None,
             overrides: list[str] | None = None, run_dir: str | None = None,
             from_stage: str | None = None, only_stage: str | None = None, force: bool = False,
-            deployment: str | None = None):
+            deployment: str | None = None, extra_tags: list[str] | None = None):
     """Create a flow run of the pipeline deployment for ``document``; returns the FlowRun at once.
 
     Unset options keep the deployment's defaults (its preset, config file and overrides).
@@ -36,7 +36,7 @@ def trigger(document: str, preset: str | None = None, config_file: str | None = 
         params["force"] = True
     name = deployment or f"{_flow_name(PIPELINE_ENTRYPOINT)}/{PIPELINE_DEPLOYMENT}"
     tag = f"doc:{document_deployment_name(document)[4:]}"
-    return _run(name, params, [*TAGS, tag])
+    return _run(name, params, [*TAGS, tag, *(extra_tags or [])])
 
 
 def rerun_stage(run_dir: str, stage: str):

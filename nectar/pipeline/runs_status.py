@@ -160,7 +160,7 @@ def _format_counts(counts: dict[str, Any], limit: int = 4) -> str:
 def run_table(status: RunStatus):
     from rich.table import Table
 
-    title = f"{status.doc_id} / {status.run_id}  [{status.state}]"
+    title = f"{status.doc_id} / {status.run_id}  \\[{status.state}]"  # \\[: a literal bracket, not rich markup
     caption = f"{status.run_dir}  ·  source {status.source_uri}  ·  preset {status.preset or '?'}"
     table = Table(title=title, caption=caption, title_justify="left", caption_justify="left")
     for col in ("stage", "state", "counts", "finished", "s"):
@@ -173,6 +173,27 @@ def run_table(status: RunStatus):
     return table
 
 
+def corpus_table(statuses: list[RunStatus]):
+    """One row per run: its state, the stage it stopped at (failed, or the next to run), stages done."""
+    from rich.table import Table
+
+    counts: dict[str, int] = {}
+    for st in statuses:
+        counts[st.state] = counts.get(st.state, 0) + 1
+    table = Table(title=f"{len(statuses)} runs: " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())),
+                  title_justify="left")
+    for col in ("document", "run", "state", "stage", "stages done", "source"):
+        table.add_column(col, overflow="fold")
+    style = {"complete": "green", "failed": "bold red", "stale": "magenta", "incomplete": "yellow", "invalid": "red"}
+    for st in statuses:
+        failed = st.last_error
+        nxt = next((s.stage for s in st.stages if s.state not in ("done", "cached", "not available")), "")
+        done = sum(s.state in ("done", "cached") for s in st.stages)
+        table.add_row(st.doc_id, st.run_id, f"[{style.get(st.state, '')}]{st.state}[/]",
+                      f"{failed.stage}: {failed.error_summary}"[:120] if failed else nxt, str(done), st.source_uri)
+    return table
+
+
 def render(statuses: Iterable[RunStatus], console=None) -> None:
     """Print one table per run, then the last error and the command that re-runs the stage."""
     from rich.console import Console
@@ -182,6 +203,9 @@ def render(statuses: Iterable[RunStatus], console=None) -> None:
     if not statuses:
         console.print("no runs found (a run directory holds run.json)")
         return
+    if len(statuses) > 1:  # a corpus: one line per run first, then each run's stages
+        console.print(corpus_table(statuses))
+        console.print()
     for status in statuses:
         console.print(run_table(status))
         if status.problem:

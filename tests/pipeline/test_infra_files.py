@@ -68,9 +68,9 @@ def gpu_devices(service: dict) -> list[dict]:
 def test_compose_config_validates_for_every_profile(profiles):
     cfg = compose_config(*profiles)
     expected = {(): {"postgres", "prefect-server"},
-                ("gpu",): {"postgres", "prefect-server", "vllm", "worker"},
-                ("gpu", "judge"): {"postgres", "prefect-server", "vllm", "vllm-judge", "worker"},
-                ("cpu",): {"postgres", "prefect-server", "llm-cpu", "worker-cpu"},
+                ("gpu",): {"postgres", "prefect-server", "vllm", "worker", "worker-2"},
+                ("gpu", "judge"): {"postgres", "prefect-server", "vllm", "vllm-judge", "worker", "worker-2"},
+                ("cpu",): {"postgres", "prefect-server", "llm-cpu", "worker-cpu", "worker-cpu-2"},
                 ("cpu-vllm",): {"postgres", "prefect-server", "vllm-cpu", "worker-cpu-vllm"}}[profiles]
     assert set(cfg["services"]) == expected
 
@@ -228,12 +228,19 @@ def test_compose_yaml_structure_without_the_binary():
     services = spec["services"]
     profiles = {name: tuple(s.get("profiles", ())) for name, s in services.items()}
     assert profiles == {"postgres": (), "prefect-server": (), "vllm": ("gpu",), "vllm-judge": ("judge",),
-                        "worker": ("gpu",), "llm-cpu": ("cpu",), "worker-cpu": ("cpu",),
-                        "vllm-cpu": ("cpu-vllm",), "worker-cpu-vllm": ("cpu-vllm",)}
+                        "worker": ("gpu",), "worker-2": ("gpu",), "llm-cpu": ("cpu",), "worker-cpu": ("cpu",),
+                        "worker-cpu-2": ("cpu",), "vllm-cpu": ("cpu-vllm",), "worker-cpu-vllm": ("cpu-vllm",)}
     assert services["prefect-server"]["image"] == f"prefecthq/prefect:{prefect.__version__}-python3.11"
-    for name in ("vllm", "vllm-judge", "worker"):
+    for name in ("vllm", "vllm-judge", "worker", "worker-2"):
         assert gpu_devices(services[name]), name
-    for name in ("worker", "worker-cpu", "worker-cpu-vllm"):
+    for name in ("worker", "worker-2", "worker-cpu", "worker-cpu-2", "worker-cpu-vllm"):
         assert services[name]["command"] == ["/opt/nectar/infra/worker-entrypoint.sh"]
         assert services[name]["environment"]["PREFECT_API_URL"] == "http://prefect-server:4200/api"
+    # The second workers poll the same pool and leave deploying to the first; same LLM wiring.
+    for second, first in (("worker-2", "worker"), ("worker-cpu-2", "worker-cpu")):
+        env, env1 = services[second]["environment"], services[first]["environment"]
+        assert env["NECTAR_DEPLOY_ON_START"] == "0" and env["NECTAR_WORKER_NAME"] == second
+        assert {k: v for k, v in env.items() if k not in ("NECTAR_DEPLOY_ON_START", "NECTAR_WORKER_NAME")} == \
+            {k: v for k, v in env1.items() if k not in ("NECTAR_DEPLOY_ON_START", "NECTAR_WORKER_NAME")}
+        assert services[second]["depends_on"] == {first: {"condition": "service_started"}}
     assert set(spec["volumes"]) == {"postgres-data", "nectar-data", "model-cache"}
