@@ -27,6 +27,7 @@ from ..attention.exact import ExactDocState
 from ..baselines import FitInputs, get_baseline
 from ..evaluation.bootstrap import Estimate
 from ..evaluation.quality import recovered_differences
+from ..evaluation.questions import load_questions, with_questions
 from ..evaluation.scoring import score_providers
 from ..evaluation.selection import evaluated_splits, select_pairs, with_subset
 from ..evaluation.teacher import EvalPair
@@ -346,8 +347,10 @@ def score_kvpress(ctx: RunContext, base, context_ids, doc_kv, pairs: list[EvalPa
 
 
 def score_and_write(ctx: RunContext, jobs: list[Job], progress: ProgressFactory | None = None,
-                    timings: dict[str, float] | None = None) -> CompareResult:
-    """Steps 3–5: fit the baselines, score every job's provider on the held-out pairs, write the outputs."""
+                    timings: dict[str, float] | None = None, questions: str | None = None,
+                    out: str | None = None) -> CompareResult:
+    """Steps 3–5: fit the baselines, score every job's provider on the held-out pairs (and on the user's
+    ``questions`` file, as the ``questions`` split), write the outputs (into ``out``, default RUN/compare)."""
     bar = progress or (lambda name: (lambda d, t: None))
     timings = dict(timings or {})
     cfg = ctx.config.evaluate
@@ -368,9 +371,14 @@ def score_and_write(ctx: RunContext, jobs: list[Job], progress: ProgressFactory 
     sel = select_pairs(target_rows, g["token_ids"][:], cfg, evaluated_splits(target_rows, cfg))
     if any(j.system.baseline == "kvzip" for j in jobs):  # what reconstruction saw vs what it did not
         sel = with_subset(sel, "probes", "probes_withheld", withheld_probe_ids(ctx, targets), cfg)
+    notes: dict[str, Any] = {}
+    if questions:  # reference answers cached in RUN/questions/<sha256[:16]>/, shared with the evaluate stage
+        loaded = load_questions(questions, base, layout, ExactDocState(doc_kv), ctx.run.url("questions"), cfg,
+                                bar("compare:questions"))
+        sel = with_questions(sel, loaded.pairs, cfg)
+        notes["questions"] = {"file": questions, **loaded.counts()}
     kv_jobs = [j for j in jobs if j.system.kind == "kvpress"]
     extra_sums: dict = {}
-    notes: dict[str, Any] = {}
     t0 = time.perf_counter()
     ran = score_kvpress(ctx, base, layout.context_ids, doc_kv, sel.pairs, kv_jobs, obtained, extra_sums, notes)
     if kv_jobs:
@@ -398,7 +406,7 @@ def score_and_write(ctx: RunContext, jobs: list[Job], progress: ProgressFactory 
     facts = {"run": ctx.run.root, "document": ctx.info.source_uri, "model": base.name, "n": layout.n,
              "kv_bytes": doc_kv.nbytes(), "kv_dtype": str(doc_kv.keys[0].dtype).removeprefix("torch."),
              "created_at": now()}
-    return write_outputs(ctx.run, rows, facts, timings, notes, allocations(obtained))
+    return write_outputs(ctx.run, rows, facts, timings, notes, allocations(obtained), out)
 
 
 def differences_vs_kvpress(jobs: list[Job], sums: dict, sel, quality, cfg) -> list[dict[str, Any]]:
@@ -485,11 +493,18 @@ def comparison_rows(jobs: list[Job], obtained: dict[str, Obtained], quality) -> 
 
 def write_outputs(run: RunDir, rows: list[ComparisonRow], facts: dict[str, Any],
                   timings: dict[str, float], notes: dict[str, Any] | None = None,
-                  allocation: dict[str, list[list[int]]] | None = None) -> CompareResult:
+                  allocation: dict[str, list[list[int]]] | None = None, out: str | None = None) -> CompareResult:
     from ..evaluation.plots import allocation_heatmap, frontier
     from .table import comparison_markdown
 
-    out = run.makedirs("compare")
+    if out:  # --out DIR: a comparison beside the run's own (e.g. on a questions file)
+        import fsspec
+
+        fs, path = fsspec.core.url_to_fs(out)
+        fs.makedirs(path, exist_ok=True)
+        out = out.rstrip("/")
+    else:
+        out = run.makedirs("compare")
     write_table(f"{out}/comparison.parquet", rows, ComparisonRow)
     data = [r.model_dump(exclude={"schema_version"}) for r in rows]
     png = frontier(data)
@@ -517,7 +532,8 @@ def write_outputs(run: RunDir, rows: list[ComparisonRow], facts: dict[str, Any],
 
 
 def compare(ctx: RunContext, systems: list[str] | None = None, rhos: list[float] | None = None,
-            run_one: RunOne = run_here, progress: ProgressFactory | None = None) -> CompareResult:
+            run_one: RunOne = run_here, progress: ProgressFactory | None = None, questions: str | None = None,
+            out: str | None = None) -> CompareResult:
     """Plan, train what is missing, score and write; ``run_one`` runs a stage (the Prefect flow's
     runs it as a subflow)."""
     check_ready(ctx)
@@ -525,4 +541,4 @@ def compare(ctx: RunContext, systems: list[str] | None = None, rhos: list[float]
     jobs = plan_jobs(ctx, systems, rhos)
     t0 = time.perf_counter()
     train_missing(jobs, run_one, progress("compare:train") if progress else None)
-    return score_and_write(ctx, jobs, progress, {"train_s": time.perf_counter() - t0})
+    return score_and_write(ctx, jobs, progress, {"train_s": time.perf_counter() - t0}, questions, out)

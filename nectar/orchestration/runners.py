@@ -280,7 +280,12 @@ def run_evaluate(ctx: RunContext, force: bool = False) -> StageOutcome:
     from ..modules.io import load_module
     from ..stages.evaluate import evaluate
 
+    from ..evaluation.questions import load_questions, read_questions
+
     inputs = _upstream_outputs(ctx, "evaluate")
+    qpath = ctx.config.evaluate.questions
+    if qpath:  # the file's content, not its path, is what evaluate depends on (checked here, one line)
+        inputs["questions"] = read_questions(qpath).sha256
     bars: dict[str, Progress] = {}
 
     def step(name: str, done: int, total: int) -> None:
@@ -296,6 +301,12 @@ def run_evaluate(ctx: RunContext, force: bool = False) -> StageOutcome:
         upstream = ctx.stage_run("verify")
         dataset = read_table(upstream.url("verify", "dataset.parquet"), DatasetRow)
         chunks = read_table(ctx.stage_run("chunk").url("chunk", "chunks.parquet"), ChunkRow)
+        questions = None
+        if qpath:  # reference answers cached per file digest in RUN/questions/, shared with `nectar compare`
+            from ..attention.exact import ExactDocState
+
+            questions = load_questions(qpath, base, layout, ExactDocState(doc_kv), ctx.run.url("questions"),
+                                       ctx.config.evaluate, lambda d, t: step("questions", d, t))
         with llm_scope(ctx):
             backend = make_backend(ctx.config.evaluate.judge, ctx.config.model)
             judge = make_chat(backend, ctx.config.evaluate.judge)
@@ -303,7 +314,10 @@ def run_evaluate(ctx: RunContext, force: bool = False) -> StageOutcome:
                               ctx.stage_run("targets").url("targets"), dataset, chunks, judge, url,
                               train_log=_train_log(ctx),
                               title=f"NECTAR · {ctx.doc_id} · {ctx.run.root.rstrip('/').split('/')[-1]}",
-                              facts={"document": ctx.info.source_uri, "run": ctx.run.root}, progress=step)
+                              facts={"document": ctx.info.source_uri, "run": ctx.run.root}, progress=step,
+                              question_pairs=questions.pairs if questions else ())
+        if questions:
+            result["counts"].update(questions.counts())
         write_json(f"{url}/tables.json", result["tables"])  # for dashboards and sweeps
         return [*result["files"], "tables.json"], {**result["counts"],
                                                    "judge_llm": llm_record(backend, ctx.config.evaluate.judge)}

@@ -71,6 +71,9 @@ def run(
     no_wait: bool = typer.Option(False, "--no-wait", help="If another process is writing the run directory, "
                                                           "exit at once (code 3) instead of waiting for it."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks and Prefect's own logs."),
+    questions: Optional[str] = typer.Option(None, "--questions", help="JSONL of your own questions "
+                                            "({\"question\": …, \"answer\": …} per line, answer optional): "
+                                            "evaluate scores them as the split 'questions'."),
 ) -> None:
     """Run the pipeline for one document."""
     _quiet_prefect(debug)
@@ -79,6 +82,10 @@ def run(
         from ..orchestration import plan_document, run_lock
         from ..schemas.presets import load_config
 
+        if questions:  # a path in the config: the evaluate stage's inputs take the file's digest
+            import json
+
+            set_ = [*set_, f"evaluate.questions={json.dumps(_checked_questions(questions))}"]
         cfg = load_config(preset, config, regime, set_)
         request = plan_document(document, cfg, run_dir, from_stage, only_stage, force)
         resume.root = request.run.root
@@ -94,6 +101,20 @@ def run(
                 run_dir=request.run.root, from_stage=from_stage, only_stage=only_stage, force=force, regime=regime)
         _print_status(result["run_dir"])  # reads every output byte: Ctrl-C stops it too
         typer.echo(result["run_dir"])
+
+
+def _checked_questions(path: str) -> str:
+    """``--questions FILE``, checked before anything starts (one line naming the bad line), made absolute
+    (a flow may run in another directory)."""
+    from ..evaluation.questions import QuestionsFileError, read_questions
+
+    path = os.path.abspath(path) if "://" not in path else path
+    try:
+        read_questions(path)
+    except QuestionsFileError as exc:
+        console.print(f"[red]error:[/red] {exc}", soft_wrap=True, markup=False, highlight=False)
+        raise typer.Exit(2)
+    return path
 
 
 class _Resume:
@@ -187,6 +208,10 @@ def compare(
                                 "attention_matching, and each baseline @int8 and @int4); kvpress presses by name: "
                                 "kvpress:kvzip, kvpress:snapkv, …, kvpress:all, with :int8 / :int4 for quantized "
                                 "keys and values (run in a venv of their own, built on first use)."),
+    questions: Optional[str] = typer.Option(None, "--questions", help="JSONL of your own questions "
+                                            "({\"question\": …, \"answer\": …} per line, answer optional): "
+                                            "every system is scored on them as the split 'questions'."),
+    out: Optional[str] = typer.Option(None, "--out", help="Write the comparison here instead of RUN_DIR/compare."),
 ) -> None:
     """Every system at equal bytes on the run's held-out pairs: trains what is missing, writes
     RUN_DIR/compare/comparison.{parquet,md} and frontier.png."""
@@ -196,6 +221,7 @@ def compare(
         from ..comparison import CompareInputError, open_for_compare, parse_bytes, parse_rhos, validate
 
         names = [s.strip() for s in systems.split(",") if s.strip()] if systems else None
+        questions = _checked_questions(questions) if questions else None
         try:  # fail fast, before Prefect starts or anything trains
             ctx = open_for_compare(run_dir)
             rhos = list(dict.fromkeys(parse_rhos(rho) + parse_bytes(bytes_, ctx.config.model.dtype)))
@@ -209,7 +235,8 @@ def compare(
         flows.CONSOLE_PROGRESS = _tqdm_progress
         try:
             with prefect_api():
-                result = flows.nectar_compare(run_dir=run_dir, rhos=rhos or None, systems=names)
+                result = flows.nectar_compare(run_dir=run_dir, rhos=rhos or None, systems=names,
+                                              questions=questions, out=out)
         except OrchestratorUnreachable:
             raise  # one line from _stoppable
         except Exception as exc:  # a train stage failed: its error.json is in its run dir; trained ones are cached
@@ -219,7 +246,7 @@ def compare(
             console.print("Fix the cause and run the same command again: trained systems are cached.")
             raise typer.Exit(1)
         typer.echo(result["table"])
-        typer.echo(f"{result['run_dir'].rstrip('/')}/compare/comparison.md")
+        typer.echo(f"{out.rstrip('/') if out else result['run_dir'].rstrip('/') + '/compare'}/comparison.md")
 
 
 @app.command()

@@ -307,6 +307,13 @@ class EvaluateConfig(FrozenConfig):
     agreement_max_samples: int = Field(64, ge=0)
     agreement_new_tokens: int = Field(32, ge=1)
     embedder: str = "embedded:all-minilm-l6-v2"
+    # The user's own questions (``--questions FILE``, JSONL; nectar/evaluation/questions.py): a
+    # ``questions`` split beside test and probes. Left out of the run id and the cache key as a path:
+    # the file's sha256 enters the evaluate stage's inputs instead, so adding or editing the file
+    # re-runs evaluate only, in the same run directory.
+    questions: str | None = resource(None)
+    # Tokens of the full-context model's greedy reference answer to a question the file gives none.
+    questions_answer_tokens: int = added_setting(128, ge=1)
 
 
 class PipelineConfig(FrozenConfig):
