@@ -180,16 +180,37 @@ def run_verify(ctx: RunContext, force: bool = False) -> StageOutcome:
     def body(url: str):
         pairs = read_table(ctx.run.url("synthesize", "pairs.parquet"), PairRow)
         vcfg = ctx.config.verify
+        evidence = vcfg.method == "evidence"  # judge-free: the base model scores each pair
         with llm_scope(ctx):
             answer = make_backend(vcfg.answer_llm, ctx.config.model)
-            judge = answer if vcfg.judge == vcfg.answer_llm else make_backend(vcfg.judge, ctx.config.model)
+            judge = None if evidence else answer if vcfg.judge == vcfg.answer_llm else make_backend(vcfg.judge,
+                                                                                                   ctx.config.model)
             counts = verify(ctx.text, pairs, vcfg, answer, judge, embedder_path(vcfg.embedder), url,
-                            progress=ctx.progress("verify"))
-        counts["llm"] = {"answer": llm_record(answer, vcfg.answer_llm), "judge": llm_record(judge, vcfg.judge)}
+                            progress=ctx.progress("verify"),
+                            scorer=_evidence_scorer(ctx, ctx.progress("verify:evidence")) if evidence else None)
+        counts["llm"] = {"answer": llm_record(answer, vcfg.answer_llm),
+                         "judge": llm_record(judge, vcfg.judge) if judge is not None else None}
         return ["dataset.parquet"], counts
 
     return run_stage(ctx.run, "verify", _stage_config(ctx, "verify"), inputs, body, force,
                      **_wiring(ctx, "verify"))
+
+
+def _evidence_scorer(ctx: RunContext, progress: Progress):
+    """verify.method = evidence: each pair's document gain on the base model, over the document KV
+    prefilled here once (the targets stage, later, prefills and keeps its own)."""
+    from ..attention.doc_kv import prefill_document
+    from ..attention.exact import ExactDocState
+    from ..evaluation.evidence import document_gain
+    from ..layout import build_layout
+
+    def score(items):
+        base = load_base(ctx.config)
+        layout = build_layout(base.tokenizer, ctx.text)
+        full = ExactDocState(prefill_document(base, layout.context_ids))
+        return document_gain(base, layout, full, items, ctx.config.verify.evidence_max_tokens, progress=progress)
+
+    return score
 
 
 def _train_log(ctx: RunContext) -> list:
