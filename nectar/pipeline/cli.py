@@ -85,6 +85,11 @@ def run(
         if questions:  # a path in the config: the evaluate stage's inputs take the file's digest
             import json
 
+            if only_stage:  # --only re-runs a stage with the run's own configuration (run.json)
+                console.print("[red]error:[/red] --questions needs --from evaluate, not --only (--only re-runs a "
+                              "stage with the run's own configuration, which has no questions file)", soft_wrap=True)
+                raise typer.Exit(2)
+
             set_ = [*set_, f"evaluate.questions={json.dumps(_checked_questions(questions))}"]
         cfg = load_config(preset, config, regime, set_)
         request = plan_document(document, cfg, run_dir, from_stage, only_stage, force)
