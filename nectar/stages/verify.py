@@ -276,12 +276,22 @@ def _verify_by_evidence(pairs: list[PairRow], candidates: list[PairRow], duplica
     # the floor as a last resort, by gain: the pairs the document helps most, though below the bar
     rows, floor = apply_floor(rows, cfg.min_kept, ("ungrounded", "disagrees"),
                               lambda r: r.evidence_gain if r.evidence_gain is not None else float("-inf"))
-    rows = split_rows(rows, cfg.test_fraction, cfg.seed)
+    rows = split_grounded(rows, cfg.test_fraction, cfg.seed)
     rows = mark_challenge(rows, cfg.challenge_size, embedder_path)
     write_table(f"{out_url}/{DATASET_FILE}", rows, DatasetRow)
     clear_partial(f"{out_url}/partial")
     counts = _counts(rows, floor, len(candidates), 0, len(duplicate_of))
     return {**counts, **evidence_counts(rows, cfg)}
+
+
+def split_grounded(rows: list[DatasetRow], test_fraction: float, seed: int) -> list[DatasetRow]:
+    """The seeded train/test split over the pairs kept by evidence only; pairs kept by the floor train
+    and are never test pairs: a test answer the document does not make likelier measures nothing
+    (with none grounded, the test split is empty and the probes and --questions are the measure)."""
+    floor = {i for i, r in enumerate(rows) if r.kept_by_floor}
+    held = [r.model_copy(update={"kept": False}) if i in floor else r for i, r in enumerate(rows)]
+    split = split_rows(held, test_fraction, seed)
+    return [rows[i].model_copy(update={"split": "train"}) if i in floor else r for i, r in enumerate(split)]
 
 
 def evidence_row(pair: PairRow, full_answer: str, scored: Scored | None, cfg: VerifyConfig,

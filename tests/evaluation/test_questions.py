@@ -95,10 +95,10 @@ QA = [("Who bought the island?", "Captain Ilse Brandt bought Varn Island."),
       ("What did the keeper do?", "He rowed out twice to rescue the sailors.")]
 
 
-def _write_verified(ctx):
+def _write_verified(ctx, n_train=6):
     rows = [DatasetRow(pair_id=f"p{i}", chunk_id=0, task="qa", instruction=q, response=a, full_answer=a,
                        judge_raw="{}", is_consistent=True, confidence=0.9, reasoning="", verdict="consistent",
-                       kept=True, split="train" if i < 6 else "test", challenge=i == 7)
+                       kept=True, split="train" if i < n_train else "test", challenge=i == 7)
             for i, (q, a) in enumerate(QA)]
 
     def body(url):
@@ -149,3 +149,22 @@ def test_questions_split_end_to_end(tmp_path, document):
     _write(tmp_path / "q.jsonl", QUESTIONS[:2])
     again = orchestration.run_evaluate(ctx)
     assert again.status == "done" and again.manifest.counts["questions"] == 2
+
+
+@pytest.mark.slow
+def test_questions_are_the_measure_when_no_pair_is_grounded(tmp_path, document):
+    """The evidence verifier puts only grounded pairs in test; with none, evaluate runs on the probes and
+    the user's questions alone (no test split)."""
+    qpath = _write(tmp_path / "q.jsonl", QUESTIONS)
+    (tmp_path / "doc.txt").write_text(document)
+    config = load_config("tiny", overrides=["train.samples=300", "evaluate.judge.max_new_tokens=8",
+                                            "evaluate.bootstrap_resamples=200", "evaluate.agreement_new_tokens=4",
+                                            "evaluate.questions_answer_tokens=6",
+                                            f"evaluate.questions={json.dumps(qpath)}"])
+    ctx = orchestration.prepare_run(str(tmp_path / "doc.txt"), config, str(tmp_path / "run"))
+    orchestration.run_chunk(ctx)
+    _write_verified(ctx, n_train=len(QA))
+    for stage in ("targets", "train", "evaluate"):
+        assert orchestration.STAGE_RUNNERS[stage](ctx, False).status == "done"
+    splits = {m.split for m in read_table(ctx.run.url("evaluate", "metrics.parquet"), MetricsRow)}
+    assert QUESTIONS_SPLIT in splits and "test" not in splits

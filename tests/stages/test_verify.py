@@ -291,6 +291,9 @@ def test_evidence_verifier_on_the_tiny_model_keeps_by_gain_and_never_asks_a_judg
     assert counts["gain_nats_per_token"]["max"] == pytest.approx(max(r.evidence_gain for r in rows.values()
                                                                      if r.evidence_gain is not None), abs=1e-4)
     assert counts["thresholds"]["min_gain"] == bar and counts["train"] + counts["test"] == 7
+    # test pairs are grounded ones: the floor's pairs only train
+    assert all(r.split == "train" for r in floor) and counts["test"] >= 1
+    assert all(r.verdict == "grounded" for r in rows.values() if r.split == "test")
 
 
 def test_evidence_row_verdicts():
