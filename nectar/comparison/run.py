@@ -27,6 +27,7 @@ from ..attention.exact import ExactDocState
 from ..baselines import FitInputs, get_baseline
 from ..evaluation.bootstrap import Estimate
 from ..evaluation.quality import recovered_differences
+from ..evaluation.questions import load_questions, with_questions
 from ..evaluation.scoring import score_providers
 from ..evaluation.selection import evaluated_splits, select_pairs, with_subset
 from ..evaluation.teacher import EvalPair
@@ -417,9 +418,10 @@ def compare_dir(ctx: RunContext, out: str | None = None) -> str:
 
 
 def score_and_write(ctx: RunContext, jobs: list[Job], progress: ProgressFactory | None = None,
-                    timings: dict[str, float] | None = None, out: str | None = None) -> CompareResult:
-    """Steps 3–5: fit the baselines, score every job's provider on the held-out pairs, write the outputs
-    (into ``out``, or RUN/compare)."""
+                    timings: dict[str, float] | None = None, questions: str | None = None,
+                    out: str | None = None) -> CompareResult:
+    """Steps 3–5: fit the baselines, score every job's provider on the held-out pairs (and on the user's
+    ``questions`` file, as the ``questions`` split), write the outputs (into ``out``, default RUN/compare)."""
     bar = progress or (lambda name: (lambda d, t: None))
     timings = dict(timings or {})
     cfg = ctx.config.evaluate
@@ -440,9 +442,14 @@ def score_and_write(ctx: RunContext, jobs: list[Job], progress: ProgressFactory 
     sel = select_pairs(target_rows, g["token_ids"][:], cfg, evaluated_splits(target_rows, cfg))
     if any(j.system.baseline == "kvzip" for j in jobs):  # what reconstruction saw vs what it did not
         sel = with_subset(sel, "probes", "probes_withheld", withheld_probe_ids(ctx, targets), cfg)
+    notes: dict[str, Any] = {}
+    if questions:  # reference answers cached in RUN/questions/<sha256[:16]>/, shared with the evaluate stage
+        loaded = load_questions(questions, base, layout, ExactDocState(doc_kv), ctx.run.url("questions"), cfg,
+                                bar("compare:questions"))
+        sel = with_questions(sel, loaded.pairs, cfg)
+        notes["questions"] = {"file": questions, **loaded.counts()}
     kv_jobs = [j for j in jobs if j.system.kind == "kvpress"]
     extra_sums: dict = {}
-    notes: dict[str, Any] = {}
     t0 = time.perf_counter()
     ran = score_kvpress(ctx, base, layout.context_ids, doc_kv, sel.pairs, kv_jobs, obtained, extra_sums, notes, out)
     if kv_jobs:
@@ -594,7 +601,7 @@ def write_outputs(run: RunDir, rows: list[ComparisonRow], facts: dict[str, Any],
 
 
 def compare(ctx: RunContext, systems: list[str] | None = None, rhos: list[float] | None = None,
-            run_one: RunOne = run_here, progress: ProgressFactory | None = None,
+            run_one: RunOne = run_here, progress: ProgressFactory | None = None, questions: str | None = None,
             out: str | None = None) -> CompareResult:
     """Plan, train what is missing, score and write (into ``out``, or RUN/compare); ``run_one`` runs a
     stage (the Prefect flow's runs it as a subflow)."""
@@ -603,4 +610,4 @@ def compare(ctx: RunContext, systems: list[str] | None = None, rhos: list[float]
     jobs = plan_jobs(ctx, systems, rhos)
     t0 = time.perf_counter()
     train_missing(jobs, run_one, progress("compare:train") if progress else None)
-    return score_and_write(ctx, jobs, progress, {"train_s": time.perf_counter() - t0}, out)
+    return score_and_write(ctx, jobs, progress, {"train_s": time.perf_counter() - t0}, questions, out)

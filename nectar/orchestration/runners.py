@@ -186,16 +186,37 @@ def run_verify(ctx: RunContext, force: bool = False) -> StageOutcome:
     def body(url: str):
         pairs = read_table(ctx.run.url("synthesize", "pairs.parquet"), PairRow)
         vcfg = ctx.config.verify
+        evidence = vcfg.method == "evidence"  # judge-free: the base model scores each pair
         with llm_scope(ctx):
             answer = make_backend(vcfg.answer_llm, ctx.config.model)
-            judge = answer if vcfg.judge == vcfg.answer_llm else make_backend(vcfg.judge, ctx.config.model)
+            judge = None if evidence else answer if vcfg.judge == vcfg.answer_llm else make_backend(vcfg.judge,
+                                                                                                   ctx.config.model)
             counts = verify(ctx.text, pairs, vcfg, answer, judge, embedder_path(vcfg.embedder), url,
-                            progress=ctx.progress("verify"))
-        counts["llm"] = {"answer": llm_record(answer, vcfg.answer_llm), "judge": llm_record(judge, vcfg.judge)}
+                            progress=ctx.progress("verify"),
+                            scorer=_evidence_scorer(ctx, ctx.progress("verify:evidence")) if evidence else None)
+        counts["llm"] = {"answer": llm_record(answer, vcfg.answer_llm),
+                         "judge": llm_record(judge, vcfg.judge) if judge is not None else None}
         return ["dataset.parquet"], counts
 
     return run_stage(ctx.run, "verify", _stage_config(ctx, "verify"), inputs, body, force,
                      **_wiring(ctx, "verify"))
+
+
+def _evidence_scorer(ctx: RunContext, progress: Progress):
+    """verify.method = evidence: each pair's document gain on the base model, over the document KV
+    prefilled here once (the targets stage, later, prefills and keeps its own)."""
+    from ..attention.doc_kv import prefill_document
+    from ..attention.exact import ExactDocState
+    from ..evaluation.evidence import document_gain
+    from ..layout import build_layout
+
+    def score(items):
+        base = load_base(ctx.config)
+        layout = build_layout(base.tokenizer, ctx.text)
+        full = ExactDocState(prefill_document(base, layout.context_ids))
+        return document_gain(base, layout, full, items, ctx.config.verify.evidence_max_tokens, progress=progress)
+
+    return score
 
 
 def _train_log(ctx: RunContext) -> list:
@@ -343,7 +364,12 @@ def run_evaluate(ctx: RunContext, force: bool = False) -> StageOutcome:
     from ..modules.io import load_module
     from ..stages.evaluate import evaluate
 
+    from ..evaluation.questions import load_questions, read_questions
+
     inputs = _upstream_outputs(ctx, "evaluate")
+    qpath = ctx.config.evaluate.questions
+    if qpath:  # the file's content, not its path, is what evaluate depends on (checked here, one line)
+        inputs["questions"] = read_questions(qpath).sha256
     bars: dict[str, Progress] = {}
 
     def step(name: str, done: int, total: int) -> None:
@@ -359,6 +385,12 @@ def run_evaluate(ctx: RunContext, force: bool = False) -> StageOutcome:
         upstream = ctx.stage_run("verify")
         dataset = read_table(upstream.url("verify", "dataset.parquet"), DatasetRow)
         chunks = read_table(ctx.stage_run("chunk").url("chunk", "chunks.parquet"), ChunkRow)
+        questions = None
+        if qpath:  # reference answers cached per file digest in RUN/questions/, shared with `nectar compare`
+            from ..attention.exact import ExactDocState
+
+            questions = load_questions(qpath, base, layout, ExactDocState(doc_kv), ctx.run.url("questions"),
+                                       ctx.config.evaluate, lambda d, t: step("questions", d, t))
         with llm_scope(ctx):
             backend = make_backend(ctx.config.evaluate.judge, ctx.config.model)
             judge = make_chat(backend, ctx.config.evaluate.judge)
@@ -366,7 +398,10 @@ def run_evaluate(ctx: RunContext, force: bool = False) -> StageOutcome:
                               ctx.stage_run("targets").url("targets"), dataset, chunks, judge, url,
                               train_log=_train_log(ctx),
                               title=f"NECTAR · {ctx.doc_id} · {ctx.run.root.rstrip('/').split('/')[-1]}",
-                              facts={"document": ctx.info.source_uri, "run": ctx.run.root}, progress=step)
+                              facts={"document": ctx.info.source_uri, "run": ctx.run.root}, progress=step,
+                              question_pairs=questions.pairs if questions else ())
+        if questions:
+            result["counts"].update(questions.counts())
         write_json(f"{url}/tables.json", result["tables"])  # for dashboards and sweeps
         return [*result["files"], "tables.json"], {**result["counts"],
                                                    "judge_llm": llm_record(backend, ctx.config.evaluate.judge)}

@@ -73,11 +73,22 @@ def run(
                                                           "exit at once (code 3) instead of waiting for it."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks and Prefect's own logs."),
     runs: str = typer.Option("runs", "--runs", help="A corpus's run root: runs/<doc-id>/<run-id> each."),
+    questions: Optional[str] = typer.Option(None, "--questions", help="JSONL of your own questions "
+                                            "({\"question\": …, \"answer\": …} per line, answer optional): "
+                                            "evaluate scores them as the split 'questions'."),
 ) -> None:
     """Run the pipeline for one document (or a corpus, one document after the other)."""
     _quiet_prefect(debug)
     from .corpus import is_corpus
 
+    if questions:  # a path in the config: the evaluate stage's inputs take the file's digest
+        import json
+
+        if only_stage:  # --only re-runs a stage with the run's own configuration (run.json)
+            console.print("[red]error:[/red] --questions needs --from evaluate, not --only (--only re-runs a "
+                          "stage with the run's own configuration, which has no questions file)", soft_wrap=True)
+            raise typer.Exit(2)
+        set_ = [*set_, f"evaluate.questions={json.dumps(_checked_questions(questions))}"]
     if is_corpus(documents):
         return _run_corpus(list(documents or []), preset, config, list(set_), runs, debug,
                            dict(run_dir=run_dir, from_=from_stage, only=only_stage, force=force, regime=regime))
@@ -133,6 +144,20 @@ def _report_corpus(rows, name: str) -> None:
         _notice("fix the cause and run the same command again: finished documents are skipped, failed ones "
                 "resume at their failed stage")
         raise typer.Exit(1)
+
+
+def _checked_questions(path: str) -> str:
+    """``--questions FILE``, checked before anything starts (one line naming the bad line), made absolute
+    (a flow may run in another directory)."""
+    from ..evaluation.questions import QuestionsFileError, read_questions
+
+    path = os.path.abspath(path) if "://" not in path else path
+    try:
+        read_questions(path)
+    except QuestionsFileError as exc:
+        console.print(f"[red]error:[/red] {exc}", soft_wrap=True, markup=False, highlight=False)
+        raise typer.Exit(2)
+    return path
 
 
 class _Resume:
@@ -227,6 +252,9 @@ def compare(
                                 "kvpress:kvzip, kvpress:snapkv, …, kvpress:all, with :int8 / :int4 for quantized "
                                 "keys and values (run in a venv of their own, built on first use). The run's own "
                                 "states (run:first, run:refined) are always compared when it has them."),
+    questions: Optional[str] = typer.Option(None, "--questions", help="JSONL of your own questions "
+                                            "({\"question\": …, \"answer\": …} per line, answer optional): "
+                                            "every system is scored on them as the split 'questions'."),
     out: Optional[str] = typer.Option(None, "--out", help="Write the comparison into this directory instead "
                                                           "of RUN_DIR/compare."),
 ) -> None:
@@ -238,6 +266,7 @@ def compare(
         from ..comparison import CompareInputError, open_for_compare, parse_bytes, parse_rhos, validate
 
         names = [s.strip() for s in systems.split(",") if s.strip()] if systems else None
+        questions = _checked_questions(questions) if questions else None
         try:  # fail fast, before Prefect starts or anything trains
             ctx = open_for_compare(run_dir)
             rhos = list(dict.fromkeys(parse_rhos(rho) + parse_bytes(bytes_, ctx.config.model.dtype)))
@@ -251,7 +280,8 @@ def compare(
         flows.CONSOLE_PROGRESS = _tqdm_progress
         try:
             with prefect_api():
-                result = flows.nectar_compare(run_dir=run_dir, rhos=rhos or None, systems=names, out=out)
+                result = flows.nectar_compare(run_dir=run_dir, rhos=rhos or None, systems=names,
+                                              questions=questions, out=out)
         except OrchestratorUnreachable:
             raise  # one line from _stoppable
         except Exception as exc:  # a train stage failed: its error.json is in its run dir; trained ones are cached

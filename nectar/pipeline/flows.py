@@ -217,14 +217,15 @@ def _compare_run_name() -> str:
 
 @flow(name="nectar-compare", flow_run_name=_compare_run_name, log_prints=True)
 def nectar_compare(run_dir: str, rhos: list[float] | None = None, systems: list[str] | None = None,
-                   out: str | None = None) -> dict[str, Any]:
+                   questions: str | None = None, out: str | None = None) -> dict[str, Any]:
     """Every system at equal bytes on one run (``nectar compare``): the train stages of what is
     missing run as subflows (cache hits when trained before), then one scoring pass; the table and
     the frontier figure are published as artifacts."""
     ctx = comparison.open_for_compare(run_dir)
     ctx.progress = _prefect_progress(ctx.doc_id)
     with tags("nectar", f"doc:{ctx.doc_id}", "compare"):
-        result = comparison.compare(ctx, systems, rhos, run_one=_stage_subflow, progress=ctx.progress, out=out)
+        result = comparison.compare(ctx, systems, rhos, run_one=_stage_subflow, progress=ctx.progress,
+                                    questions=questions, out=out)
     out = comparison.compare_dir(ctx, out)
     create_table_artifact(key=_key(ctx.doc_id, "compare"), description=f"{ctx.doc_id} · equal-bytes comparison",
                           table=[r.model_dump(exclude={"schema_version"}) for r in result.rows])

@@ -58,6 +58,9 @@ class PairRow(Artifact):
 Verdict = Literal[
     "consistent", "inconsistent", "insufficient_context", "low_confidence",
     "judge_parse_error", "duplicate", "synthesis_parse_error", "probe", "recon",
+    # verify.method = evidence (judge-free, nectar/evaluation/evidence.py): the document raises the
+    # answer's likelihood and the full-context model answers alike (kept) / it does not / it answers otherwise
+    "grounded", "ungrounded", "disagrees",
 ]
 # "probes": held-out document probes (never trained on); train probes are split "train".
 # "recon": reconstruction spans (nectar/stages/recon.py), training queries of their own.
@@ -81,6 +84,10 @@ class DatasetRow(Artifact):
     verdict: Verdict
     kept: bool
     kept_by_floor: bool = False  # kept below the confidence threshold to reach verify.min_kept
+    # verify.method = evidence: log p(answer | document, q) − log p(answer | q) per answer token (nats),
+    # and ROUGE-L F1 of the answer against the full-context model's answer
+    evidence_gain: float | None = None
+    agreement: float | None = None
     split: Split
     challenge: bool = False
     max_train_similarity: float | None = None

@@ -138,6 +138,14 @@ class VerifyConfig(FrozenConfig):
     # Tiny models produce few consistent pairs; when set, keep at least this many pairs by taking
     # the most confident consistent ones below the threshold (recorded as kept_by_floor).
     min_kept: int = 0
+    # judge: the paper's LLM judge of consistency (a capable judge: GPU). evidence: judge-free, on the
+    # base model (nectar/evaluation/evidence.py): keep a pair when the document adds at least
+    # ``min_gain`` nats per answer token to its likelihood and its answer agrees with the full-context
+    # model's (ROUGE-L F1 ≥ ``min_agreement``); the floor, ranked by gain, only when too few pass.
+    method: Literal["judge", "evidence"] = added_setting("judge")
+    min_gain: float = added_setting(0.5)
+    min_agreement: float = added_setting(0.1, ge=0, le=1)
+    evidence_max_tokens: int = added_setting(384, ge=16)  # query tokens scored per pair (its start)
 
 
 class ProbesConfig(FrozenConfig):
@@ -331,6 +339,13 @@ class EvaluateConfig(FrozenConfig):
     agreement_max_samples: int = Field(64, ge=0)
     agreement_new_tokens: int = Field(32, ge=1)
     embedder: str = "embedded:all-minilm-l6-v2"
+    # The user's own questions (``--questions FILE``, JSONL; nectar/evaluation/questions.py): a
+    # ``questions`` split beside test and probes. Left out of the run id and the cache key as a path:
+    # the file's sha256 enters the evaluate stage's inputs instead, so adding or editing the file
+    # re-runs evaluate only, in the same run directory.
+    questions: str | None = resource(None)
+    # Tokens of the full-context model's greedy reference answer to a question the file gives none.
+    questions_answer_tokens: int = added_setting(128, ge=1)
 
 
 class PipelineConfig(FrozenConfig):

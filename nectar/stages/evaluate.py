@@ -33,7 +33,8 @@ from ..schemas.artifacts import BenchmarkRow, PerLayerRow
 from ..evaluation.quality import SystemQuality
 from ..evaluation.scoring import score_providers
 from ..evaluation.selection import EvaluateInputError, Selection, evaluated_splits, select_pairs
-from ..evaluation.teacher import head_errors
+from ..evaluation.questions import with_questions
+from ..evaluation.teacher import EvalPair, head_errors
 from ..layout import PromptLayout
 from ..base_model import BaseLM
 from ..modules.builder import ModulePlan, NectarModule
@@ -72,7 +73,8 @@ def _per_layer_rows(data, header, provider, sel: Selection, device) -> list[PerL
     rows = []
     group = header.num_q_heads // header.num_kv_heads
     for split, pids in sel.per_split.items():
-        spans = [(sel.rows[p].start, sel.rows[p].start + sel.rows[p].length) for p in pids]
+        # the user's questions (split "questions") have no cached targets: no per-layer errors
+        spans = [(sel.rows[p].start, sel.rows[p].start + sel.rows[p].length) for p in pids if p in sel.rows]
         if not spans:
             continue
         idx = np.concatenate([np.arange(a, b) for a, b in spans])
@@ -123,8 +125,12 @@ def evaluate(
     batch_size: int = 4,
     gen_batch_size: int = 16,
     progress: Progress | None = None,
+    question_pairs: Sequence[EvalPair] = (),
 ) -> dict[str, Any]:
     """Run every evaluation step and write the tables and the report into ``out_url``.
+
+    ``question_pairs``: the user's own questions (nectar/evaluation/questions.py), scored as the
+    ``questions`` split beside the held-out pairs.
 
     ``targets_url`` is the targets stage folder (targets.zarr + pairs.parquet); ``judge_chat`` is
     ``nectar.evaluation.judge.make_chat(backend)`` for the configured judge backend.
@@ -140,7 +146,7 @@ def evaluate(
                                  f"this document has {layout.n}; re-run from the train stage")
     target_rows = read_table(f"{targets_url}/pairs.parquet", TargetsPairRow)
     splits = evaluated_splits(target_rows, cfg)
-    sel = select_pairs(target_rows, g["token_ids"][:], cfg, splits)
+    sel = with_questions(select_pairs(target_rows, g["token_ids"][:], cfg, splits), question_pairs, cfg)
     if not sel.pairs:
         raise EvaluateInputError(f"no held-out pairs with response tokens for splits {splits}; "
                                  "check the verify stage's test split")

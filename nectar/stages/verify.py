@@ -12,6 +12,11 @@
    synthesis parse errors carry through as synthesis_parse_error.
 4. Fewer than ``min_kept`` kept → the most confident low_confidence rows are kept too
    (kept_by_floor), because tiny models rarely pass a strict judge.
+With ``verify.method = evidence`` (the cpu preset: a small judge passes nothing) steps 2–4 are
+judge-free instead (nectar/evaluation/evidence.py): each pair is scored on the base model by how much
+the document raises its answer's likelihood (nats per answer token) and by its agreement with the
+full-context answer (ROUGE-L); verdicts grounded (kept) / ungrounded / disagrees, and the floor, when
+too few pass, takes the highest gains.
 5. Seeded 80/20 train/test split of kept rows; challenge = the test instructions least similar
    (max cosine, all-MiniLM-L6-v2) to any training instruction.
 Every row — dropped ones included, with their verdict — is written to dataset.parquet. Answers
@@ -28,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from ..layout import ContextTooLongError
+from ..evaluation.evidence import Scored, answer_agreement, distribution
 from ..llm import ChatBackend, ChatResult, make_request
 from ..llm.parsing import find_json
 from ..prompts import CONSISTENCY_SCHEMA, INSUFFICIENT, answer_prompt, consistency_prompt
@@ -62,15 +68,23 @@ class Judgment:
     error: str | None = None
 
 
+Scorer = Callable[[list[tuple[str, str, str]]], dict[str, Scored]]  # (pair_id, instruction, answer) → gain
+
+
 def verify(document_text: str, pairs: list[PairRow], cfg: VerifyConfig, answer_backend: ChatBackend,
-           judge_backend: ChatBackend, embedder_path: str, out_url: str,
-           progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
-    """Write ``<out_url>/dataset.parquet`` (DatasetRow, every pair) and return counts."""
+           judge_backend: ChatBackend | None, embedder_path: str, out_url: str,
+           progress: Callable[[int, int], None] | None = None, scorer: Scorer | None = None) -> dict[str, Any]:
+    """Write ``<out_url>/dataset.parquet`` (DatasetRow, every pair) and return counts. ``scorer``
+    (verify.method = evidence) gives each pair's document gain (evidence.document_gain on the base model)."""
     out_url = out_url.rstrip("/")
+    if cfg.method == "evidence" and scorer is None:
+        raise ValueError("verify.method=evidence needs a scorer (the base model and the document KV)")
     candidates, duplicate_of = first_of_each_instruction([p for p in pairs if p.parse_error is None])
     check_document_fits(document_text, candidates, cfg, answer_backend)
     ticker = _Ticker(progress, 2 * len(candidates))
     answers = _answer_all(document_text, candidates, cfg, answer_backend, out_url, ticker)
+    if cfg.method == "evidence":
+        return _verify_by_evidence(pairs, candidates, duplicate_of, answers, cfg, scorer, embedder_path, out_url)
     to_judge = [p for p in candidates if not _insufficient(p.response, answers[p.pair_id])]
     ticker.total = len(candidates) + len(to_judge)
     raw = _judge_all(to_judge, answers, cfg, judge_backend, out_url, answers_key=_answers_key(document_text,
@@ -235,17 +249,86 @@ def _row(pair: PairRow, full_answer: str, judge_raw: str | None, min_confidence:
 
 # ----- 4. the floor -----
 
-def apply_floor(rows: list[DatasetRow], min_kept: int) -> tuple[list[DatasetRow], int]:
-    """Keep the most confident low_confidence rows until ``min_kept`` rows are kept."""
+def apply_floor(rows: list[DatasetRow], min_kept: int, verdicts: tuple[str, ...] = ("low_confidence",),
+                score: Callable[[DatasetRow], float] = lambda r: r.confidence or 0.0) -> tuple[list[DatasetRow], int]:
+    """Keep the best-scored rows of ``verdicts`` (the most confident low_confidence rows) until
+    ``min_kept`` rows are kept."""
     missing = min_kept - sum(r.kept for r in rows)
     if missing <= 0:
         return rows, 0
-    pool = sorted((i for i, r in enumerate(rows) if r.verdict == "low_confidence"),
-                  key=lambda i: -(rows[i].confidence or 0.0))[:missing]
+    pool = sorted((i for i, r in enumerate(rows) if r.verdict in verdicts),
+                  key=lambda i: -score(rows[i]))[:missing]
     out = list(rows)
     for i in pool:
         out[i] = rows[i].model_copy(update={"kept": True, "kept_by_floor": True, "split": "train"})
     return out, len(pool)
+
+
+# ----- 2-4 without a judge: evidence from the base model (verify.method = evidence) -----
+
+def _verify_by_evidence(pairs: list[PairRow], candidates: list[PairRow], duplicate_of: dict[str, str],
+                        answers: dict[str, str], cfg: VerifyConfig, scorer: Scorer, embedder_path: str,
+                        out_url: str) -> dict[str, Any]:
+    scorable = [p for p in candidates if not _insufficient(p.response, answers[p.pair_id])]
+    gains = scorer([(p.pair_id, p.instruction, p.response) for p in scorable])
+    rows = [evidence_row(p, answers.get(p.pair_id, ""), gains.get(p.pair_id), cfg, duplicate_of.get(p.pair_id))
+            for p in pairs]
+    # the floor as a last resort, by gain: the pairs the document helps most, though below the bar
+    rows, floor = apply_floor(rows, cfg.min_kept, ("ungrounded", "disagrees"),
+                              lambda r: r.evidence_gain if r.evidence_gain is not None else float("-inf"))
+    rows = split_grounded(rows, cfg.test_fraction, cfg.seed)
+    rows = mark_challenge(rows, cfg.challenge_size, embedder_path)
+    write_table(f"{out_url}/{DATASET_FILE}", rows, DatasetRow)
+    clear_partial(f"{out_url}/partial")
+    counts = _counts(rows, floor, len(candidates), 0, len(duplicate_of))
+    return {**counts, **evidence_counts(rows, cfg)}
+
+
+def split_grounded(rows: list[DatasetRow], test_fraction: float, seed: int) -> list[DatasetRow]:
+    """The seeded train/test split over the pairs kept by evidence only; pairs kept by the floor train
+    and are never test pairs: a test answer the document does not make likelier measures nothing
+    (with none grounded, the test split is empty and the probes and --questions are the measure)."""
+    floor = {i for i, r in enumerate(rows) if r.kept_by_floor}
+    held = [r.model_copy(update={"kept": False}) if i in floor else r for i, r in enumerate(rows)]
+    split = split_rows(held, test_fraction, seed)
+    return [rows[i].model_copy(update={"split": "train"}) if i in floor else r for i, r in enumerate(split)]
+
+
+def evidence_row(pair: PairRow, full_answer: str, scored: Scored | None, cfg: VerifyConfig,
+                 duplicate_of: str | None = None) -> DatasetRow:
+    """A pair's verdict from its document gain and its agreement with the full-context answer."""
+    row = _row(pair, full_answer, None, cfg.min_confidence, duplicate_of)
+    if pair.parse_error is not None or duplicate_of is not None or _insufficient(pair.response, full_answer):
+        return row  # synthesis error, duplicate, insufficient context: as with a judge
+    agreement = answer_agreement(pair.response, full_answer)
+    fields = {**row.model_dump(exclude={"verdict", "schema_version"}), "reasoning": "", "agreement": round(agreement, 4)}
+    if scored is None:
+        return DatasetRow(**{**fields, "reasoning": "no answer tokens to score"}, verdict="ungrounded")
+    fields["evidence_gain"] = round(scored.gain, 4)
+    if scored.gain < cfg.min_gain:
+        return DatasetRow(**{**fields, "reasoning": f"the document adds {scored.gain:.3f} nats per answer token "
+                                                    f"(< verify.min_gain {cfg.min_gain:g})"}, verdict="ungrounded")
+    if agreement < cfg.min_agreement:
+        return DatasetRow(**{**fields, "reasoning": f"ROUGE-L {agreement:.3f} with the full-context answer "
+                                                    f"(< verify.min_agreement {cfg.min_agreement:g})"},
+                          verdict="disagrees")
+    return DatasetRow(**{**fields, "kept": True, "split": "train",
+                         "reasoning": f"the document adds {scored.gain:.3f} nats per answer token"},
+                      verdict="grounded")
+
+
+def evidence_counts(rows: list[DatasetRow], cfg: VerifyConfig) -> dict[str, Any]:
+    """What the evidence verifier did: kept by evidence / by the floor, and the score distributions
+    (every scored pair, and the kept ones) against the thresholds."""
+    scored = [r for r in rows if r.evidence_gain is not None]
+    kept = [r for r in scored if r.kept]
+    return {
+        "method": "evidence", "kept_by_evidence": sum(r.verdict == "grounded" for r in rows),
+        "thresholds": {"min_gain": cfg.min_gain, "min_agreement": cfg.min_agreement},
+        "gain_nats_per_token": distribution([r.evidence_gain for r in scored]),
+        "gain_kept": distribution([r.evidence_gain for r in kept]),
+        "agreement_rouge_l": distribution([r.agreement for r in scored if r.agreement is not None]),
+    }
 
 
 # ----- 5. splits -----

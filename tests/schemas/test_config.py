@@ -497,13 +497,15 @@ def test_a_removed_key_is_refused_in_one_line_and_old_runs_still_open(tmp_path):
 
 def test_the_cpu_preset_self_studies_through_vllm_and_the_local_file_switches_back():
     """The cpu preset (make run): every LLM role on vLLM (local fallback), compiled, six samples per
-    prompt and a floor of 120; infra/cpu-local.yaml (make run-local): the local loop at its scale."""
+    prompt, the judge-free evidence verifier with a floor of 24 (issue 40; the paper preset keeps the LLM
+    judge); infra/cpu-local.yaml (make run-local): the local loop at its scale."""
     from pathlib import Path
 
     cfg = load_config("cpu")
     roles = (cfg.synthesize.llm, cfg.verify.answer_llm, cfg.verify.judge, cfg.evaluate.judge)
     assert {r.backend for r in roles} == {"auto"} and {r.server_compile for r in roles} == {True}
-    assert cfg.synthesize.samples_per_chunk == 6 and cfg.verify.min_kept == 120
+    assert cfg.synthesize.samples_per_chunk == 6 and cfg.verify.min_kept == 24
+    assert cfg.verify.method == "evidence" and load_config("paper").verify.method == "judge"
     assert cfg.verify.judge.max_new_tokens == 96 and cfg.synthesize.llm.max_new_tokens == 512
     local = load_config("cpu", config_file=str(Path(__file__).parents[2] / "infra" / "cpu-local.yaml"))
     roles = (local.synthesize.llm, local.verify.answer_llm, local.verify.judge, local.evaluate.judge)

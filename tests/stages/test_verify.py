@@ -252,3 +252,59 @@ def _verify_embedded(tmp_path):
     assert all(r.judge_raw.startswith('{"is_consistent":') for r in judged)  # constrained judge output
     assert counts["verdicts"].get("judge_parse_error", 0) == 0
     assert counts["kept"] >= min(2, sum(r.verdict in ("consistent", "low_confidence") for r in rows))
+
+
+# ----- verify.method = evidence: judge-free, scored on the base model -----
+
+def _evidence_scorer(base):
+    from nectar.attention.doc_kv import prefill_document
+    from nectar.attention.exact import ExactDocState
+    from nectar.evaluation.evidence import document_gain
+    from nectar.layout import build_layout
+
+    layout = build_layout(base.tokenizer, DOC)
+    full = ExactDocState(prefill_document(base, layout.context_ids))
+    return lambda items: document_gain(base, layout, full, items, max_tokens=96)
+
+
+def test_evidence_verifier_on_the_tiny_model_keeps_by_gain_and_never_asks_a_judge(tmp_path, tiny_backend):
+    pairs = make_pairs()
+    scorer = _evidence_scorer(tiny_backend.base)
+    gains = scorer([(p.pair_id, p.instruction, p.response) for p in pairs if p.parse_error is None])
+    ranked = sorted(gains.values(), key=lambda s: s.gain)
+    # a bar between the gains: the pairs above it pass on their own, the floor tops up by gain
+    bar = (ranked[3].gain + ranked[4].gain) / 2
+    cfg = CFG.model_copy(update={"method": "evidence", "min_gain": bar, "min_agreement": 0.0, "min_kept": 7})
+    counts = verify(DOC, pairs, cfg, LocalBackend(tiny_backend.base, batch_size=4), None, embedder_path(),
+                    str(tmp_path), scorer=scorer)
+    rows = {r.pair_id: r for r in read_table(str(tmp_path / "dataset.parquet"), DatasetRow)}
+    assert counts["judge_requests"] == 0 and all(r.judge_raw == "" for r in rows.values())
+    assert rows["c0-qa-6"].verdict == "duplicate" and rows["c0-qa-7"].verdict == "insufficient_context"
+    grounded = [r for r in rows.values() if r.verdict == "grounded"]
+    assert grounded and all(r.evidence_gain >= bar and r.kept and not r.kept_by_floor for r in grounded)
+    assert all(r.evidence_gain < bar for r in rows.values() if r.verdict == "ungrounded")
+    floor = [r for r in rows.values() if r.kept_by_floor]
+    assert counts["kept_by_floor"] == len(floor) == 7 - len(grounded) == counts["kept"] - counts["kept_by_evidence"]
+    # the floor took the highest gains below the bar
+    left = [r.evidence_gain for r in rows.values() if r.verdict == "ungrounded" and not r.kept]
+    assert all(f.evidence_gain >= max(left) for f in floor)
+    assert counts["gain_nats_per_token"]["max"] == pytest.approx(max(r.evidence_gain for r in rows.values()
+                                                                     if r.evidence_gain is not None), abs=1e-4)
+    assert counts["thresholds"]["min_gain"] == bar and counts["train"] + counts["test"] == 7
+    # test pairs are grounded ones: the floor's pairs only train
+    assert all(r.split == "train" for r in floor) and counts["test"] >= 1
+    assert all(r.verdict == "grounded" for r in rows.values() if r.split == "test")
+
+
+def test_evidence_row_verdicts():
+    from nectar.evaluation.evidence import Scored
+    from nectar.stages.verify import evidence_row
+
+    cfg = VerifyConfig(method="evidence", min_gain=0.5, min_agreement=0.2)
+    pair = PairRow(pair_id="p", chunk_id=0, task="qa", instruction="What is raised?", response="A NameError is raised.",
+                   raw_output="")
+    assert evidence_row(pair, "NameError is raised", Scored(1.2, 6), cfg).verdict == "grounded"
+    assert evidence_row(pair, "NameError is raised", Scored(0.1, 6), cfg).verdict == "ungrounded"
+    low = evidence_row(pair, "Names refer to objects", Scored(1.2, 6), cfg)
+    assert low.verdict == "disagrees" and not low.kept and "ROUGE-L" in low.reasoning
+    assert evidence_row(pair, "x", None, cfg).verdict == "ungrounded"
