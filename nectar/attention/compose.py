@@ -126,9 +126,29 @@ class ComposedDocState:
 
 
 def compose(parts: Sequence[DocStateProvider | None], lengths: Sequence[int], positions: str = "concat",
-            model: torch.nn.Module | None = None) -> tuple[ComposedDocState, int]:
+            model: torch.nn.Module | None = None, at: int | None = None) -> tuple[ComposedDocState, int]:
     """The composed provider of ``parts`` (documents of ``lengths`` tokens) and the question's first
-    position, under the ``positions`` layout (module docstring)."""
+    position, under the ``positions`` layout (module docstring). ``at``: the caller places the question
+    there instead (e.g. after the concatenated documents' own context, to score against it): every
+    part's shift absorbs the difference, so each part still sees the distances of its layout."""
     lay = composed_layout(lengths, positions)
-    rope = RopeShift.of_model(model) if any(lay.shifts) and model is not None else None
-    return ComposedDocState(parts, lay.shifts, rope), lay.n
+    n = lay.n if at is None else at
+    shifts = tuple(s + n - lay.n for s in lay.shifts)  # part k wants the question at lay.n - s_k
+    rope = RopeShift.of_model(model) if any(shifts) and model is not None else None
+    return ComposedDocState(parts, shifts, rope), n
+
+
+# ModelConfig fields that say where the model runs, not which model it is
+_RESOURCE_FIELDS = {"device", "attention_backend"}
+
+
+def refuse_different_models(runs: Sequence[tuple[str, object]]) -> None:
+    """States of different base models do not compose (their keys live in different spaces): refuse
+    in one line, naming the first run that differs. ``runs``: (run directory, its ModelConfig)."""
+    (first_dir, first), *rest = runs
+    want = first.model_dump(exclude=_RESOURCE_FIELDS)
+    for run_dir, model in rest:
+        if model.model_dump(exclude=_RESOURCE_FIELDS) != want:
+            raise CompositionError(f"{run_dir}: base model {model.name!r} ({model.dtype}) differs from "
+                                   f"{first.name!r} ({first.dtype}) of {first_dir}; states compose only over one "
+                                   "base model: compose runs of the same model")

@@ -174,7 +174,9 @@ def sweep(
 
 @app.command()
 def compare(
-    run_dir: str = typer.Argument(..., help="A run directory whose data stages (chunk → targets) completed."),
+    run_dirs: List[str] = typer.Argument(..., help="A run directory whose data stages (chunk → targets) completed; "
+                                          "several runs: their states composed, scored on the concatenated "
+                                          "documents (docs/quality.md, \"Several documents at once\")."),
     rho: Optional[str] = typer.Option(None, "--rho", help="Further budgets, e.g. 0.02,0.05,0.10 (the run's ρ is "
                                                           "always compared)."),
     bytes_: Optional[str] = typer.Option(None, "--bytes", help="Budgets as fractions of the document KV's bytes "
@@ -187,9 +189,19 @@ def compare(
                                 "attention_matching, and each baseline @int8 and @int4); kvpress presses by name: "
                                 "kvpress:kvzip, kvpress:snapkv, …, kvpress:all, with :int8 / :int4 for quantized "
                                 "keys and values (run in a venv of their own, built on first use)."),
+    out: Optional[str] = typer.Option(None, "--out", help="Several runs: the output folder (default "
+                                      "RUN_A/compose/<documents>)."),
+    positions: Optional[str] = typer.Option(None, "--positions", help="Several runs: the layouts the states are "
+                                            "composed under, of concat, own, longest (default all three)."),
 ) -> None:
     """Every system at equal bytes on the run's held-out pairs: trains what is missing, writes
-    RUN_DIR/compare/comparison.{parquet,md} and frontier.png."""
+    RUN_DIR/compare/comparison.{parquet,md} and frontier.png. With several runs: their states composed
+    against the full context of their documents concatenated (OUT/comparison.{parquet,md})."""
+    if len(run_dirs) > 1:
+        from .compose_cli import compare_runs
+
+        return compare_runs(run_dirs, rho, bytes_, systems, out, positions)
+    run_dir = run_dirs[0]
     _quiet_prefect()
     with _stoppable(False) as resume:
         resume.root = run_dir
