@@ -255,14 +255,26 @@ def status(run_dir: str = typer.Argument(..., help="A run directory, or a folder
 
 @app.command()
 def ask(
-    run_dir: str = typer.Argument(..., help="A run directory whose train stage completed."),
-    question: str = typer.Argument(..., help="The question about the document."),
+    runs_and_question: List[str] = typer.Argument(..., metavar="RUN_DIR... QUESTION", help="Run directories whose "
+                                                  "train stage completed (several: their modules composed), then "
+                                                  "the question about the document(s)."),
     max_new_tokens: Optional[int] = typer.Option(None, help="Default: the run's evaluate setting."),
     temperature: Optional[float] = typer.Option(None, help="0 for greedy; default: the run's evaluate setting."),
     seed: int = typer.Option(0),
+    positions: str = typer.Option("concat", help="Several runs: where the documents sit (concat | own | longest)."),
     debug: bool = typer.Option(False, "--debug", help="Show the traceback of an error."),
 ) -> None:
-    """Answer a question from the trained module, without the document in the context (streams)."""
+    """Answer a question from the trained module, without the document in the context (streams); with
+    several runs, from their modules composed (docs/design.md §13)."""
+    if len(runs_and_question) < 2:
+        _error_line("error: give a run directory and a question: nectar ask RUN_DIR [RUN_DIR ...] \"QUESTION\"")
+        raise typer.Exit(2)
+    *run_dirs, question = runs_and_question
+    if len(run_dirs) > 1:
+        from .compose_cli import ask_runs
+
+        return ask_runs(run_dirs, question, positions, max_new_tokens, temperature, seed, debug)
+    run_dir = run_dirs[0]
     from ..serving.ask import ask as ask_module
     from .errors import reported
 
