@@ -101,41 +101,73 @@ class RopeShift:
         return out if rest.shape[-1] == 0 else torch.cat([out, rest], dim=-1)
 
 
+# The largest share of a part's attention mass the shared prefix may take away (a fitted state can
+# carry less mass on its template tokens than their exact keys): the rest of the part is kept.
+MAX_PREFIX_SHARE = 0.99
+
+
+def remove_state(total: AttnState, part: AttnState, max_share: float = MAX_PREFIX_SHARE) -> AttnState:
+    """The state over ``total``'s keys without ``part``'s (the inverse of ``merge_states``, exact when
+    ``part``'s keys are among ``total``'s): lse − part's mass, out without part's weighted values."""
+    r = torch.exp(part.lse - total.lse).nan_to_num(0.0).clamp(0.0, max_share)  # [b, h, m]: part's share
+    keep = (1.0 - r).unsqueeze(-1)  # [b, h, m, 1]
+    out = (total.out - r.unsqueeze(-1) * part.out.to(total.out.dtype)) / keep
+    return AttnState(out, total.lse + torch.log1p(-r))
+
+
 class ComposedDocState:
     """Provider over several parts: each part's state for the query (shifted to its layout), merged.
 
     A part of None (no document) adds nothing: ``merge_states`` keeps the other side as it is, so one
-    state composed with nothing is that state, bit for bit."""
+    state composed with nothing is that state, bit for bit. ``prefix``: the exact state of the chat-
+    template prefix every document's context starts with; given, it is taken out of every part but the
+    first (``remove_state``), so the composition holds that prefix — and its attention sink — once, as
+    the concatenated documents' context does."""
 
     def __init__(self, parts: Sequence[DocStateProvider | None], shifts: Sequence[int] | None = None,
-                 rope: RopeShift | None = None):
+                 rope: RopeShift | None = None, prefix: DocStateProvider | None = None):
         shifts = tuple(shifts) if shifts is not None else tuple(0 for _ in parts)
         if len(shifts) != len(parts):
             raise CompositionError(f"{len(parts)} parts but {len(shifts)} shifts; give one shift per part")
         if any(shifts) and rope is None:
             raise CompositionError("shifted parts need the model's RoPE frequencies (RopeShift.of_model)")
-        self.parts, self.shifts, self.rope = list(parts), shifts, rope
+        self.parts, self.shifts, self.rope, self.prefix = list(parts), shifts, rope, prefix
 
     def __call__(self, layer: int, q: torch.Tensor, scaling: float) -> AttnState | None:
-        state = None
+        state, first = None, True
         for provider, shift in zip(self.parts, self.shifts):  # q [b, hq, m, d]
             if provider is None:
                 continue
-            state = merge_states(state, provider(layer, self.rope(q, shift) if shift else q, scaling))
+            qk = self.rope(q, shift) if shift else q  # the query as this part's state expects it
+            part = provider(layer, qk, scaling)
+            if self.prefix is not None and not first:  # this part's copy of the shared prefix, out
+                part = remove_state(part, self.prefix(layer, qk, scaling))
+            state, first = merge_states(state, part), False
         return state
 
 
 def compose(parts: Sequence[DocStateProvider | None], lengths: Sequence[int], positions: str = "concat",
-            model: torch.nn.Module | None = None, at: int | None = None) -> tuple[ComposedDocState, int]:
+            model: torch.nn.Module | None = None, at: int | None = None,
+            prefix: DocStateProvider | None = None) -> tuple[ComposedDocState, int]:
     """The composed provider of ``parts`` (documents of ``lengths`` tokens) and the question's first
     position, under the ``positions`` layout (module docstring). ``at``: the caller places the question
     there instead (e.g. after the concatenated documents' own context, to score against it): every
-    part's shift absorbs the difference, so each part still sees the distances of its layout."""
+    part's shift absorbs the difference, so each part still sees the distances of its layout.
+    ``prefix``: the shared template prefix's exact state, held once (``ComposedDocState``)."""
     lay = composed_layout(lengths, positions)
     n = lay.n if at is None else at
     shifts = tuple(s + n - lay.n for s in lay.shifts)  # part k wants the question at lay.n - s_k
     rope = RopeShift.of_model(model) if any(shifts) and model is not None else None
-    return ComposedDocState(parts, shifts, rope), n
+    return ComposedDocState(parts, shifts, rope, prefix), n
+
+
+def shared_prefix(contexts: Sequence[Sequence[int]]) -> list[int]:
+    """The tokens every document's context starts with (the chat template before the document text)."""
+    first = list(contexts[0])
+    k = len(first)
+    for ids in contexts[1:]:
+        k = next((i for i, (a, b) in enumerate(zip(first[:k], ids)) if a != b), min(k, len(ids)))
+    return first[:k]
 
 
 # ModelConfig fields that say where the model runs, not which model it is

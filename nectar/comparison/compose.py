@@ -26,15 +26,18 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..attention.compose import POSITIONS, CompositionError, compose, refuse_different_models
+import numpy as np
+
+from ..attention.compose import POSITIONS, CompositionError, compose, refuse_different_models, shared_prefix
 from ..attention.doc_kv import DocKV, prefill_document
 from ..attention.exact import ExactDocState
 from ..baselines import FitInputs, get_baseline
+from ..baselines.interface import FittedBaseline
 from ..evaluation.quality import recovered_differences
 from ..evaluation.scoring import score_providers
 from ..evaluation.selection import Selection
-from ..evaluation.teacher import EvalPair
-from ..kvpress import KvpressEnvError, KvpressError, PressJob, score_presses
+from ..evaluation.teacher import EvalPair, PairSums
+from ..kvpress import BridgeResult, KvpressEnvError, KvpressError, PressJob, PressResult, score_presses
 from ..layout import PromptLayout, build_layout
 from ..orchestration.context import RunContext, load_base
 from ..orchestration.executor import RunDir, now
@@ -151,9 +154,45 @@ class State:
     arch: str | None
 
 
-def fit_part(part: Part, s: System, rho: float, base) -> State:
+def fit_part(part: Part, s: System, rho: float, base, cache_dir: str | None = None) -> State:
     """A baseline fitted on one document alone (its own KV, reconstruction spans, targets if the run has
-    them), in ρ of that document's KV; or the run's trained module (``module``)."""
+    them), in ρ of that document's KV; or the run's trained module (``module``). ``cache_dir``: fitted
+    states are kept there and reused by a later compare with the same output folder (another layout,
+    another press: minutes of fitting saved); delete it after changing the fit."""
+    path = None
+    if cache_dir is not None and s.name != "module":
+        path = f"{cache_dir}/{part.label}-{part.ctx.info.sha256[:12]}-{s.name}-rho{rho:g}.pt"
+        cached = _load_state(path, base)
+        if cached is not None:
+            return cached
+    state = _fit_part(part, s, rho, base)
+    if path is not None:
+        _save_state(path, state)
+    return state
+
+
+def _load_state(path: str, base) -> State | None:
+    import os
+
+    import torch
+
+    if not os.path.exists(path):
+        return None
+    saved = torch.load(path, map_location=base.device, weights_only=False)
+    fitted = FittedBaseline(saved["name"], saved["module"], saved["plan"])
+    return State(fitted, saved["nbytes"], saved["seconds"], saved["arch"])
+
+
+def _save_state(path: str, state: State) -> None:
+    import torch
+
+    fitted = state.provider
+    blob = {"name": fitted.name, "module": fitted.module, "plan": fitted.plan, "nbytes": state.nbytes,
+            "seconds": state.seconds, "arch": state.arch}
+    atomic_write(path, lambda f: torch.save(blob, f))
+
+
+def _fit_part(part: Part, s: System, rho: float, base) -> State:
     ctx = part.ctx
     t0 = time.perf_counter()
     if s.name == "module":
@@ -202,21 +241,26 @@ class Entry:
 
 
 def composed_entries(parts: list[Part], s: System, rho: float, positions: list[str], base, n: int,
-                     log: Callable[[str], None]) -> list[Entry]:
-    """The system fitted on every document, composed under each layout, and each document alone."""
+                     log: Callable[[str], None], cache_dir: str | None = None, prefix=None) -> list[Entry]:
+    """The system fitted on every document, composed under each layout (and, given the shared template
+    prefix's exact state, with that prefix held once: ``+once``), and each document alone."""
     states = []
     for part in parts:
-        st = fit_part(part, s, rho, base)
+        st = fit_part(part, s, rho, base, cache_dir)
         log(f"compose: {s.name} @ {rho:g} on {part.label}: {st.nbytes / 1e6:.3f} MB in {st.seconds:.0f} s")
         states.append(st)
     lengths = [p.layout.n for p in parts]
     total, secs = sum(st.nbytes for st in states), sum(st.seconds for st in states)
     out = []
     for pos in positions:
-        provider, _ = compose([st.provider for st in states], lengths, pos, base.model, at=n)
-        name = f"compose:{s.name}" if pos == "concat" else f"compose[{pos}]:{s.name}"
-        out.append(Entry(f"{name}@{rho:g}", "baseline", rho, provider, total, secs,
-                         f"{len(parts)} states composed, positions {pos}", states[0].arch, s.name, pos))
+        for once in ([False, True] if prefix is not None else [False]):
+            provider, _ = compose([st.provider for st in states], lengths, pos, base.model, at=n,
+                                  prefix=prefix if once else None)
+            layout = f"{pos}+once" if once else pos
+            out.append(Entry(f"compose[{layout}]:{s.name}@{rho:g}", "baseline", rho, provider, total, secs,
+                             f"{len(parts)} states composed, positions {pos}"
+                             + (", template prefix held once (its exact KV from the model, not stored)" if once else ""),
+                             states[0].arch, s.name, layout))
     for i, (part, st) in enumerate(zip(parts, states)):
         only = [st.provider if j == i else None for j in range(len(parts))]
         provider, _ = compose(only, lengths, "concat", base.model, at=n)
@@ -231,13 +275,22 @@ def kvpress_entries(jobs: list[tuple[System, float]], base, ctx: RunContext, con
     if not jobs:
         return []
     press_jobs = [PressJob(f"{s.name}@{rho:g}", s.press, rho, s.bits) for s, rho in jobs]
-    try:
-        result = score_presses(base, ctx.config.model, list(context_ids), doc_kv, sel.pairs, press_jobs, workdir)
-    except (KvpressEnvError, KvpressError) as exc:
-        print(f"kvpress rows left out: {exc}")
-        notes["kvpress"] = {"error": str(exc)}
-        return []
-    notes["kvpress"] = {**result.facts, "guard_max_token_kl": result.guard_max_kl, "errors": result.errors}
+    ids = [p.pair_id for p in sel.pairs]
+    cached = {j.key: r for j in press_jobs if (r := _load_press(workdir, j.key, ids, context_ids)) is not None}
+    todo = [j for j in press_jobs if j.key not in cached]
+    result = BridgeResult(dict(cached))
+    if todo:
+        try:
+            result = score_presses(base, ctx.config.model, list(context_ids), doc_kv, sel.pairs, todo, workdir)
+        except (KvpressEnvError, KvpressError) as exc:
+            print(f"kvpress rows left out: {exc}")
+            notes["kvpress"] = {"error": str(exc)}
+            return []
+        for key, r in result.results.items():
+            _save_press(workdir, key, ids, context_ids, r)
+        result.results.update(cached)
+    notes["kvpress"] = {**result.facts, "guard_max_token_kl": result.guard_max_kl, "errors": result.errors,
+                        "reused": sorted(cached)}
     out = []
     for (s, rho), job in zip(jobs, press_jobs):
         r = result.results.get(job.key)
@@ -248,6 +301,32 @@ def kvpress_entries(jobs: list[tuple[System, float]], base, ctx: RunContext, con
         out.append(Entry(job.key, "kvpress", rho, None, r.state_bytes, r.press_s,
                          f"kvpress {s.press} on the concatenation, {r.kept_entries} entries", s.press))
     return out
+
+
+def _press_path(workdir: str, key: str) -> str:
+    return f"{workdir}/{re.sub(r'[^A-Za-z0-9_.@-]', '_', key)}.result.json"
+
+
+def _load_press(workdir: str, key: str, pair_ids: list[str], context_ids) -> PressResult | None:
+    """A press's per-pair sums from an earlier compare into the same folder, if made on these pairs
+    and this context (a press takes minutes; scoring the compositions again should not redo it)."""
+    import os
+
+    path = _press_path(workdir, key)
+    if not os.path.exists(path):
+        return None
+    saved = json.loads(open(path).read())
+    if saved["pair_ids"] != pair_ids or saved["context_ids"] != list(context_ids):
+        return None
+    sums = PairSums(*(np.asarray(saved["sums"][k]) for k in ("correct", "nll", "kl", "n")))
+    return PressResult(sums, saved["press_s"], saved["score_s"], saved["kept_entries"], saved["state_bytes"])
+
+
+def _save_press(workdir: str, key: str, pair_ids: list[str], context_ids, r: PressResult) -> None:
+    blob = {"pair_ids": pair_ids, "context_ids": list(context_ids), "press_s": r.press_s, "score_s": r.score_s,
+            "kept_entries": r.kept_entries, "state_bytes": r.state_bytes,
+            "sums": {k: getattr(r.sums, k).tolist() for k in ("correct", "nll", "kl", "n")}}
+    atomic_write(_press_path(workdir, key), json.dumps(blob))
 
 
 def plan_systems(systems: list[str] | None, positions: list[str] | None) -> tuple[list[System], list[str]]:
@@ -272,7 +351,8 @@ def plan_systems(systems: list[str] | None, positions: list[str] | None) -> tupl
 
 def compare_composed(run_dirs: list[str], out_dir: str, systems: list[str] | None = None,
                      rhos: list[float] | None = None, positions: list[str] | None = None,
-                     per_doc: int = 40, both: int = 20, log: Callable[[str], None] = print) -> dict[str, Any]:
+                     per_doc: int = 40, both: int = 20, log: Callable[[str], None] = print,
+                     prefix_once: bool = True) -> dict[str, Any]:
     """Open, probe, fit, compose, score and write (module docstring); returns the outputs' facts."""
     chosen, positions = plan_systems(systems, positions)
     ctxs = open_runs(run_dirs)
@@ -300,10 +380,13 @@ def compare_composed(run_dirs: list[str], out_dir: str, systems: list[str] | Non
                Entry("full", "reference", None, ExactDocState(full_kv), full_kv.nbytes(), prefill_s,
                      "the concatenated documents' KV cache")]
     t0 = time.perf_counter()
+    common = shared_prefix([p.layout.context_ids for p in parts])
+    prefix = ExactDocState(prefill_document(base, common)) if prefix_once and common else None
     for s in chosen:
         if s.kind in ("baseline", "trained"):
             for rho in (rhos if s.kind == "baseline" else [None]):
-                entries += composed_entries(parts, s, rho, positions, base, layout.n, log)
+                entries += composed_entries(parts, s, rho, positions, base, layout.n, log,
+                                            f"{out_dir.rstrip('/')}/states", prefix)
     timings["fit_s"] = time.perf_counter() - t0
     sums_extra: dict = {}
     notes: dict[str, Any] = {"positions": positions}
@@ -317,7 +400,7 @@ def compare_composed(run_dirs: list[str], out_dir: str, systems: list[str] | Non
     sums, quality = score_providers(base, layout.n, providers, sel, cfg, SCORE_BATCH, 8, None, timings, sums_extra)
     notes["differences"] = differences(entries, sums, sel, quality, cfg)
     facts = {"runs": [c.run.root for c in ctxs], "documents": [c.info.source_uri for c in ctxs],
-             "model": base.name, "n": layout.n, "n_parts": [p.layout.n for p in parts],
+             "model": base.name, "n": layout.n, "n_parts": [p.layout.n for p in parts], "n_shared_prefix": len(common),
              "kv_bytes": full_kv.nbytes(), "kv_bytes_parts": [p.doc_kv.nbytes() for p in parts],
              "kv_dtype": str(full_kv.keys[0].dtype).removeprefix("torch."), "created_at": now()}
     return write(out_dir, entries, quality, facts, timings, notes)

@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from nectar.attention.compose import ComposedDocState, CompositionError, RopeShift, compose, composed_layout
+from nectar.attention.compose import (ComposedDocState, CompositionError, RopeShift, compose, composed_layout,
+                                     shared_prefix)
 from nectar.attention.doc_kv import DocKV, prefill_document
 from nectar.attention.exact import ExactDocState
 from nectar.attention.forward import query_logits
@@ -71,6 +72,33 @@ def test_two_exact_kvs_compose_to_attention_over_both(fixture, request, document
     assert n == na + nb
     assert_close_reordered(got, want, FORWARD, name=f"compose-concat-{fixture}")
     assert (alone - want).abs().max() > 1e-3  # B's keys do change the answer: the test can fail
+
+
+def _slice(kv: DocKV, start: int) -> DocKV:
+    return DocKV([k[:, start:] for k in kv.keys], [v[:, start:] for v in kv.values])  # [hkv, n - start, d]
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen3"])
+def test_shared_prefix_held_once_equals_attention_over_one_prefix(fixture, request, document):
+    """prefix: the template both contexts start with is taken out of the second part, so the composition
+    equals attention over [KV_A ; KV_B without its prefix, at n_A]: one prefix, as in a concatenation."""
+    base = request.getfixturevalue(fixture)
+    layout_a, ids = _query(base, document)
+    ids_b = build_layout(base.tokenizer, DOC_B).context_ids
+    prefix = shared_prefix([layout_a.context_ids, ids_b])
+    assert 0 < len(prefix) < len(ids_b) and list(ids_b[:len(prefix)]) == prefix
+    na, nb, p = layout_a.n, len(ids_b), len(prefix)
+    kv_a, kv_b = prefill_document(base, layout_a.context_ids), prefill_document(base, ids_b)
+    once = ExactDocState(_cat(kv_a, _slice(_prefill_at(base, ids_b, na), p)))
+    with torch.no_grad():
+        want = query_logits(base, once, ids, na + nb)
+        provider, n = compose([ExactDocState(kv_a), ExactDocState(kv_b)], [na, nb], "concat", base.model,
+                              prefix=ExactDocState(prefill_document(base, prefix)))
+        got = query_logits(base, provider, ids, n)
+        twice, _ = compose([ExactDocState(kv_a), ExactDocState(kv_b)], [na, nb], "concat", base.model)
+        kept = query_logits(base, twice, ids, n)
+    assert_close_reordered(got, want, FORWARD, name=f"compose-prefix-once-{fixture}")
+    assert (kept - want).abs().max() > 1e-3  # the second copy of the prefix does change the answer
 
 
 def test_longest_and_own_layouts(tiny_llama, document):
