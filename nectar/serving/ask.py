@@ -10,12 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from ..attention.compose import compose
 from ..attention.engine import generate
 from ..base_model import BaseLM
 from ..layout import PromptLayout
 from ..modules.builder import NectarModule
 from ..modules.provider import inference_provider
+from .composite import composed_provider
 from .loader import load_served_module, open_served_runs
 from .registry import open_registry
 from .text_stream import Detokenizer, TextCallback
@@ -76,8 +76,7 @@ def ask_composed(run_dirs: list[str], question: str, stream: TextCallback | None
     registry = open_registry(open_served_runs(run_dirs), None, max_module_bytes=1 << 62)
     docs = list(registry.documents.values())
     base = registry.base
-    provider, n = compose([registry.provider(d.name) for d in docs], [d.n_context for d in docs], positions,
-                          base.model)
+    provider, n = composed_provider(base, [registry.provider(d.name) for d in docs], docs, positions)
     ev = docs[0].defaults
     detok = Detokenizer(base.tokenizer, stream)
     prompt = docs[0].layout.prompt(question).ids  # the query part: the same for every document of one tokenizer

@@ -12,13 +12,16 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from ..attention.compose import compose, composed_layout
+from ..attention.compose import compose, composed_layout, shared_prefix
+from ..attention.doc_kv import prefill_document
+from ..attention.exact import ExactDocState
 from ..layout import PromptLayout
 from .limits import GenerationDefaults
 from .registry import ModuleRegistry, ServedDocument
 
 JOIN = "+"
 POSITIONS = "concat"  # measured best of the layouts: docs/quality.md, "Several documents at once"
+PREFIX_ONCE = True  # the shared chat-template prefix held once (its exact KV, prefilled from the model)
 HOW_TO_COMPOSE = (f"join served model ids with '{JOIN}' (e.g. 'a{JOIN}b') to ask over several documents at once: "
                   "their states are composed (the documents back to back in that order)")
 
@@ -65,6 +68,21 @@ def resolve(registry: ModuleRegistry, model_id: str) -> CompositeDocument:
     return CompositeDocument(model_id, parts, composed_layout([p.n_context for p in parts], POSITIONS).n)
 
 
+def composed_provider(base, parts: list, docs: list, positions: str = POSITIONS, prefix_once: bool = PREFIX_ONCE,
+                      prefixes: dict | None = None):
+    """The composition of ``parts`` (providers of the served ``docs``, in order) and the question's
+    position: what a composite id and ``nectar ask RUN_A RUN_B`` decode with. ``prefixes``: a cache of
+    the shared prefix's exact state by its token ids (one per tokenizer, a few dozen tokens)."""
+    prefix = None
+    if prefix_once and len(docs) > 1:
+        ids = tuple(shared_prefix([d.layout.context_ids for d in docs]))
+        cache = {} if prefixes is None else prefixes
+        if ids and ids not in cache:
+            cache[ids] = ExactDocState(prefill_document(base, ids))
+        prefix = cache.get(ids)
+    return compose(parts, [d.n_context for d in docs], positions, base.model, prefix=prefix)
+
+
 class CompositeProviders:
     """One composed provider per composite id, rebuilt when one of its parts was reloaded (the LRU
     dropped it): a decoding row keeps the providers it was given alive, as for a single id."""
@@ -72,6 +90,7 @@ class CompositeProviders:
     def __init__(self, registry: ModuleRegistry):
         self.registry = registry
         self._built: dict[str, tuple[tuple[int, ...], object]] = {}
+        self._prefixes: dict = {}
         self._lock = threading.Lock()
 
     def provider(self, doc: CompositeDocument):
@@ -80,6 +99,7 @@ class CompositeProviders:
         with self._lock:
             built = self._built.get(doc.name)
             if built is None or built[0] != key:
-                provider, _ = compose(parts, [p.n_context for p in doc.parts], doc.positions, self.registry.base.model)
+                provider, _ = composed_provider(self.registry.base, parts, list(doc.parts), doc.positions,
+                                                prefixes=self._prefixes)
                 self._built[doc.name] = built = (key, provider)
             return built[1]
