@@ -77,6 +77,13 @@ def test_runs_of_different_base_models_are_refused_in_one_line(two_runs, tmp_pat
     with pytest.raises(CompareInputError, match="base model 'tiny:qwen2'.*differs from 'tiny:llama'") as err:
         open_runs([two_runs[0], other])
     assert "\n" not in str(err.value)
+    from typer.testing import CliRunner
+
+    from nectar.pipeline.cli import app
+
+    res = CliRunner().invoke(app, ["compare", two_runs[0], other, "--out", str(tmp_path / "o")])
+    assert res.exit_code == 2 and "differs from 'tiny:llama'" in res.output
+    assert len(res.output.strip().splitlines()) == 1, res.output
 
 
 def test_one_run_is_not_a_composition(two_runs):
