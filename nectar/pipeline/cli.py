@@ -238,7 +238,9 @@ def sweep(
 
 @app.command()
 def compare(
-    run_dir: str = typer.Argument(..., help="A run directory whose data stages (chunk → targets) completed."),
+    run_dirs: List[str] = typer.Argument(..., help="A run directory whose data stages (chunk → targets) completed; "
+                                          "several runs: their states composed, scored on the concatenated "
+                                          "documents (docs/quality.md, \"Several documents at once\")."),
     rho: Optional[str] = typer.Option(None, "--rho", help="Further budgets, e.g. 0.02,0.05,0.10 (the run's ρ is "
                                                           "always compared)."),
     bytes_: Optional[str] = typer.Option(None, "--bytes", help="Budgets as fractions of the document KV's bytes "
@@ -256,10 +258,22 @@ def compare(
                                             "({\"question\": …, \"answer\": …} per line, answer optional): "
                                             "every system is scored on them as the split 'questions'."),
     out: Optional[str] = typer.Option(None, "--out", help="Write the comparison into this directory instead "
-                                                          "of RUN_DIR/compare."),
+                                                          "of RUN_DIR/compare (several runs: instead of "
+                                                          "RUN_A/compose/<documents>)."),
+    positions: Optional[str] = typer.Option(None, "--positions", help="Several runs: the layouts the states are "
+                                            "composed under, of concat, own, longest (default all three)."),
 ) -> None:
     """Every system at equal bytes on the run's held-out pairs: trains what is missing, writes
-    RUN_DIR/compare/comparison.{parquet,md} and frontier.png (or into --out DIR)."""
+    RUN_DIR/compare/comparison.{parquet,md} and frontier.png (or into --out DIR). With several runs: their
+    states composed against the full context of their documents concatenated (OUT/comparison.{parquet,md})."""
+    if len(run_dirs) > 1:
+        if questions:
+            _error_line("error: --questions scores one run's states; give one run directory")
+            raise typer.Exit(2)
+        from .compose_cli import compare_runs
+
+        return compare_runs(run_dirs, rho, bytes_, systems, out, positions)
+    run_dir = run_dirs[0]
     _quiet_prefect()
     with _stoppable(False) as resume:
         resume.root = run_dir
@@ -319,15 +333,27 @@ def status(run_dir: str = typer.Argument(..., help="A run directory, or a folder
 
 @app.command()
 def ask(
-    run_dir: str = typer.Argument(..., help="A run directory with a live state (from its first stage on)."),
-    question: str = typer.Argument(..., help="The question about the document."),
+    runs_and_question: List[str] = typer.Argument(..., metavar="RUN_DIR... QUESTION", help="Run directories with a "
+                                                  "live state (several: their states composed), then "
+                                                  "the question about the document(s)."),
     max_new_tokens: Optional[int] = typer.Option(None, help="Default: the run's evaluate setting."),
     temperature: Optional[float] = typer.Option(None, help="0 for greedy; default: the run's evaluate setting."),
     seed: int = typer.Option(0),
+    positions: str = typer.Option("concat", help="Several runs: where the documents sit (concat | own | longest)."),
     debug: bool = typer.Option(False, "--debug", help="Show the traceback of an error."),
 ) -> None:
     """Answer a question from the run's live state (the first state while self-study runs, the refined
-    one once promoted), without the document in the context (streams)."""
+    one once promoted), without the document in the context (streams); with several runs, from their
+    states composed (docs/design.md §13)."""
+    if len(runs_and_question) < 2:
+        _error_line("error: give a run directory and a question: nectar ask RUN_DIR [RUN_DIR ...] \"QUESTION\"")
+        raise typer.Exit(2)
+    *run_dirs, question = runs_and_question
+    if len(run_dirs) > 1:
+        from .compose_cli import ask_runs
+
+        return ask_runs(run_dirs, question, positions, max_new_tokens, temperature, seed, debug)
+    run_dir = run_dirs[0]
     from ..serving.ask import ask as ask_module
     from .errors import reported
 

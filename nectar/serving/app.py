@@ -40,6 +40,7 @@ from .openai_schemas import (
     ModelList,
     Usage,
 )
+from .composite import HOW_TO_COMPOSE, CompositeDocument, CompositeProviders, UnknownPart, is_composite, resolve
 from .registry import ModuleRegistry, ServedDocument
 from .scheduler import QueueFull, Scheduler, ShuttingDown
 
@@ -51,6 +52,7 @@ class ServerState:
         self.registry, self.limits = registry, limits
         base = registry.base
         self.prompts = {name: ChatPrompt(doc.layout, base.tokenizer) for name, doc in registry.documents.items()}
+        self.composites = CompositeProviders(registry)  # ids "a+b": the documents' states composed
         self.scheduler = Scheduler(ModuleEngine(base), limits.max_batch, limits.max_queue, limits.batch_wait_ms / 1000)
         self.metrics = ServeMetrics(self.scheduler, registry)
         self.started = int(time.time())
@@ -122,21 +124,38 @@ def create_app(registry: ModuleRegistry, limits: ServeLimits, api_keys: tuple[st
     return app
 
 
-def _document(state: ServerState, model_id: str) -> ServedDocument:
+def _document(state: ServerState, model_id: str) -> ServedDocument | CompositeDocument:
     doc = state.registry.documents.get(model_id)
-    if doc is None:
-        served = ", ".join(repr(n) for n in state.registry.names)
-        raise ApiError(404, f"model {model_id!r} is not served here; this server serves {served} "
-                       "(GET /v1/models)", code="model_not_found", param="model")
-    return doc
+    if doc is not None:
+        return doc
+    missing = f"model {model_id!r}"
+    if is_composite(model_id):
+        try:
+            return resolve(state.registry, model_id)
+        except UnknownPart as part:
+            missing = f"model {part.args[0]!r} (in {model_id!r})"
+    served = ", ".join(repr(n) for n in state.registry.names)
+    raise ApiError(404, f"{missing} is not served here; this server serves {served}, and {HOW_TO_COMPOSE} "
+                   "(GET /v1/models)", code="model_not_found", param="model")
 
 
-def _model_card(state: ServerState, doc: ServedDocument) -> ModelCard:
+def _model_card(state: ServerState, doc: ServedDocument | CompositeDocument) -> ModelCard:
+    if isinstance(doc, CompositeDocument):
+        return ModelCard(id=doc.name, created=state.started, root=doc.parts[0].spec.base_model,
+                         nectar={**doc.card(), "window": state.registry.base.max_context_tokens})
     spec = doc.spec
     return ModelCard(id=doc.name, created=state.started, root=spec.base_model, nectar={
         "run_dir": doc.run_dir, "doc_sha256": spec.doc_sha256, "n_context": spec.n_context, "arch": spec.arch,
         "rho": spec.rho, "module_bytes": spec.module_bytes, "kv_cache_bytes": spec.kv_cache_bytes,
-        "window": state.registry.base.max_context_tokens, "loaded": doc.name in state.registry.loaded})
+        "window": state.registry.base.max_context_tokens, "loaded": doc.name in state.registry.loaded,
+        "compose": HOW_TO_COMPOSE})
+
+
+def _provider(state: ServerState, doc: ServedDocument | CompositeDocument):
+    """The document's module, or the composition of its parts' modules (each loaded on first use)."""
+    if isinstance(doc, CompositeDocument):
+        return state.composites.provider(doc)
+    return state.registry.provider(doc.name)
 
 
 async def _admit(state: ServerState, req: ChatCompletionRequest) -> Job:
@@ -144,11 +163,11 @@ async def _admit(state: ServerState, req: ChatCompletionRequest) -> Job:
     doc = _document(state, req.model)
     refuse_unsupported(req)
     base, limits = state.registry.base, state.limits
-    prompt = state.prompts[doc.name].ids(req.messages)
+    prompt = state.prompts[doc.parts[0].name if isinstance(doc, CompositeDocument) else doc.name].ids(req.messages)
     params = sampling_params(req, len(prompt), doc.n_context, base.max_context_tokens, doc.defaults, limits)
     if state.draining:
         raise _shutting_down()
-    provider = await asyncio.to_thread(state.registry.provider, doc.name)  # loads the module on first use
+    provider = await asyncio.to_thread(_provider, state, doc)  # loads the module(s) on first use
     job = Job(prompt, params, base.tokenizer, asyncio.get_running_loop(), model=doc.name, doc=provider,
               n=doc.n_context)
     try:

@@ -15,7 +15,9 @@ from ..base_model import BaseLM
 from ..layout import PromptLayout
 from ..modules.builder import NectarModule
 from ..modules.provider import inference_provider
-from .loader import load_served_module
+from .composite import composed_provider
+from .loader import load_served_module, open_served_runs
+from .registry import open_registry
 from .text_stream import Detokenizer, TextCallback
 
 
@@ -61,3 +63,24 @@ def ask(run_dir: str, question: str, stream: TextCallback | None = None, *,
                   max_new_tokens if max_new_tokens is not None else ev.max_tokens,
                   temperature if temperature is not None else ev.temperature,
                   top_p if top_p is not None else ev.top_p, seed)
+
+
+def ask_composed(run_dirs: list[str], question: str, stream: TextCallback | None = None, *,
+                 positions: str = "concat", max_new_tokens: int | None = None, temperature: float | None = None,
+                 top_p: float | None = None, seed: int = 0) -> Answer:
+    """Answer ``question`` from several runs' modules at once: their states composed (the documents in
+    the order given, nectar/attention/compose.py). The runs must share one base model (the server's
+    check, one line); generation defaults are the first run's."""
+    if not question.strip():
+        raise ValueError("the question is empty")
+    registry = open_registry(open_served_runs(run_dirs), None, max_module_bytes=1 << 62)
+    docs = list(registry.documents.values())
+    base = registry.base
+    provider, n = composed_provider(base, [registry.provider(d.name) for d in docs], docs, positions)
+    ev = docs[0].defaults
+    detok = Detokenizer(base.tokenizer, stream)
+    prompt = docs[0].layout.prompt(question).ids  # the query part: the same for every document of one tokenizer
+    tokens = stream_tokens(base, provider, n, prompt, max_new_tokens if max_new_tokens is not None else ev.max_tokens,
+                           temperature if temperature is not None else ev.temperature,
+                           top_p if top_p is not None else ev.top_p, seed, detok.push)
+    return Answer(detok.text(), tokens, n)

@@ -73,6 +73,8 @@ class ServeMetrics:
     def label(self, model: str | None) -> str:
         if model is None:
             return ""
+        if model not in self.names and "+" in model and all(p in self.names for p in model.split("+")):
+            return "composite"  # "a+b": one label for every composition (clients must not create labels)
         return model if model in self.names else "unknown"
 
     def refused(self, model: str | None, status: int) -> None:

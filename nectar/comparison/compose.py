@@ -1,0 +1,460 @@
+"""``nectar compare RUN_A RUN_B …``: the documents' states composed, scored against the full context of
+the documents concatenated (docs/quality.md, "Several documents at once").
+
+  1. open    the runs (one base model, else refused in one line); the reference context is their
+             documents joined by a blank line in the order given, under the model's chat layout
+  2. probes  held-out probes of each document (``stages/probes.py``, the run's probe settings, split
+             ``probes:<doc>``), and prompts that need both: quote the sentence holding a phrase of one
+             document, then the one holding a phrase of the other (split ``both``); ``probes`` is all of
+             them. Every prompt is scored at the concatenation's positions
+  3. states  each baseline system fitted on each document alone, from that run's document KV (ρ of
+             each document's KV, so a composition holds ρ of the KVs' total bytes); ``module``: each
+             run's trained module. Composed under every asked layout (nectar/attention/compose.py),
+             and each part alone (at its concat offset) to show what the other documents add
+  4. score   every provider on every prompt (teacher forced, paired bootstrap over prompts); kvpress
+             presses on the concatenated context in their own venv; paired Δ of each composition to the
+             best press at the same ρ
+  5. write   OUT/comparison.parquet (ComparisonRow), comparison.md, info.json
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import re
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from ..attention.compose import POSITIONS, CompositionError, compose, refuse_different_models, shared_prefix
+from ..attention.doc_kv import DocKV, prefill_document
+from ..attention.exact import ExactDocState
+from ..baselines import FitInputs, get_baseline
+from ..baselines.interface import FittedBaseline
+from ..evaluation.quality import recovered_differences
+from ..evaluation.scoring import score_providers
+from ..evaluation.selection import Selection
+from ..evaluation.teacher import EvalPair, PairSums
+from ..kvpress import BridgeResult, KvpressEnvError, KvpressError, PressJob, PressResult, score_presses
+from ..layout import PromptLayout, build_layout
+from ..orchestration.context import RunContext, load_base
+from ..orchestration.executor import RunDir, now
+from ..schemas.artifacts import ComparisonRow, ProbeRow
+from ..schemas.presets import ConfigError
+from ..stages.probes import make_probes
+from ..stages.recon import make_recon
+from ..storage import atomic_write
+from ..tables import write_table
+from .run import SCORE_BATCH, CompareInputError, baseline_plan, differences_markdown, open_for_compare
+from .systems import System, resolve
+
+SEPARATOR = "\n\n"  # between the documents of the reference context
+BOTH = "Quote the sentence of the documents that contains the phrase «{a}», then the one that contains «{b}»."
+
+
+@dataclass
+class Part:
+    """One document: its run, its own layout (positions 0 … n − 1) and its exact KV."""
+
+    ctx: RunContext
+    label: str  # the document's id: split and system names
+    layout: PromptLayout
+    doc_kv: DocKV
+
+
+@dataclass
+class Prompt:
+    pair_id: str
+    task: str
+    splits: tuple[str, ...]
+    instruction: str
+    response: str
+
+
+def open_runs(run_dirs: list[str], require_targets: bool = False) -> list[RunContext]:
+    """Reopen the runs (each a run directory); one base model for all, else one line naming both."""
+    if len(run_dirs) < 2:
+        raise CompareInputError(f"composing needs at least two runs, got {len(run_dirs)}; "
+                                "give `nectar compare RUN_A RUN_B`")
+    ctxs = []
+    for r in run_dirs:
+        if require_targets:
+            ctxs.append(open_for_compare(r))
+        else:
+            from ..orchestration.context import open_run
+            from ..tables import ArtifactError
+
+            if not RunDir(r).exists("run.json"):
+                raise CompareInputError(f"{r} is not a run directory (no run.json); make one with `nectar run DOC`")
+            try:
+                ctxs.append(open_run(r))
+            except ArtifactError as exc:
+                raise CompareInputError(f"{r}: {exc}") from None
+    try:
+        refuse_different_models([(c.run.root, c.config.model) for c in ctxs])
+    except CompositionError as exc:
+        raise CompareInputError(str(exc)) from None
+    return ctxs
+
+
+def labels(ctxs: list[RunContext]) -> list[str]:
+    """Each document's name (its id without the hash suffix), numbered when two runs share one."""
+    ids = [re.sub(r"-[0-9a-f]{8}$", "", c.info.doc_id) for c in ctxs]
+    return [d if ids.count(d) == 1 else f"{d}#{i + 1}" for i, d in enumerate(ids)]
+
+
+def composed_prompts(texts: list[tuple[str, str]], ctx: RunContext, per_doc: int, both: int,
+                     seed: int = 0) -> list[Prompt]:
+    """Held-out probes of each document (up to ``per_doc``, seeded) and ``both`` prompts that need two
+    documents (a locate probe of one, then of the next, cycling through the documents)."""
+    cfg = ctx.config.targets.probes
+    rng = random.Random(seed)
+    out: list[Prompt] = []
+    locates: list[list[ProbeRow]] = []
+    for label, text in texts:
+        held = sorted((p for p in make_probes(text, cfg) if p.split == "probes"), key=lambda p: p.probe_id)
+        picked = held if len(held) <= per_doc else sorted(rng.sample(held, per_doc), key=lambda p: p.probe_id)
+        out += [Prompt(f"{label}:{p.probe_id}", p.kind, ("probes", f"probes:{label}"), p.instruction, p.response)
+                for p in picked]
+        loc = [p for p in held if p.kind == "locate"]
+        rng.shuffle(loc)
+        locates.append(loc)
+    for i in range(both):
+        a, b = i % len(texts), (i + 1) % len(texts)
+        if i >= len(locates[a]) or i >= len(locates[b]):
+            break
+        pa, pb = locates[a][i], locates[b][i]
+        phrase = lambda p: p.instruction.split("«", 1)[1].rsplit("»", 1)[0]  # noqa: E731
+        out.append(Prompt(f"both-{i:03d}", "both", ("probes", "both"), BOTH.format(a=phrase(pa), b=phrase(pb)),
+                          pa.response + "\n" + pb.response))
+    return out
+
+
+def selection(prompts: list[Prompt], layout: PromptLayout) -> Selection:
+    """The prompts as evaluation pairs over the concatenated layout (no greedy agreement sample: the
+    composed states are compared teacher forced, where intervals are tight)."""
+    pairs, per_split = [], {}
+    for p in prompts:
+        q = layout.pair(p.instruction, p.response)
+        pairs.append(EvalPair(p.pair_id, p.task, p.splits, tuple(q.ids), q.response_start))
+        for s in p.splits:
+            per_split.setdefault(s, []).append(p.pair_id)
+    return Selection(pairs, {}, per_split, {s: [] for s in per_split}, {s: [] for s in per_split})
+
+
+@dataclass
+class State:
+    """One system's state for one document."""
+
+    provider: Any
+    nbytes: int
+    seconds: float
+    arch: str | None
+
+
+def fit_part(part: Part, s: System, rho: float, base, cache_dir: str | None = None) -> State:
+    """A baseline fitted on one document alone (its own KV, reconstruction spans, targets if the run has
+    them), in ρ of that document's KV; or the run's trained module (``module``). ``cache_dir``: fitted
+    states are kept there and reused by a later compare with the same output folder (another layout,
+    another press: minutes of fitting saved); delete it after changing the fit."""
+    path = None
+    if cache_dir is not None and s.name != "module":
+        path = f"{cache_dir}/{part.label}-{part.ctx.info.sha256[:12]}-{s.name}-rho{rho:g}.pt"
+        cached = _load_state(path, base)
+        if cached is not None:
+            return cached
+    state = _fit_part(part, s, rho, base)
+    if path is not None:
+        _save_state(path, state)
+    return state
+
+
+def _load_state(path: str, base) -> State | None:
+    import os
+
+    import torch
+
+    if not os.path.exists(path):
+        return None
+    saved = torch.load(path, map_location=base.device, weights_only=False)
+    fitted = FittedBaseline(saved["name"], saved["module"], saved["plan"])
+    return State(fitted, saved["nbytes"], saved["seconds"], saved["arch"])
+
+
+def _save_state(path: str, state: State) -> None:
+    import torch
+
+    fitted = state.provider
+    blob = {"name": fitted.name, "module": fitted.module, "plan": fitted.plan, "nbytes": state.nbytes,
+            "seconds": state.seconds, "arch": state.arch}
+    atomic_write(path, lambda f: torch.save(blob, f))
+
+
+def _fit_part(part: Part, s: System, rho: float, base) -> State:
+    ctx = part.ctx
+    t0 = time.perf_counter()
+    if s.name == "module":
+        from ..modules.io import load_module
+        from ..modules.provider import ModuleDocState
+
+        if not ctx.run.exists("train", "module.json"):
+            raise CompareInputError(f"system module: {ctx.run.root} has no trained module (run the pipeline "
+                                    "through the train stage, or compare a baseline such as kvzip_fit@int4)")
+        module, spec = load_module(ctx.run.url("train"), base, ctx.info.sha256, device=base.device)
+        return State(ModuleDocState(module), spec.module_bytes, time.perf_counter() - t0, spec.arch)
+    targets = ctx.stage_run("targets").url("targets")
+    has_targets = ctx.stage_run("targets").read_manifest("targets") is not None
+    baseline = get_baseline(s.baseline)
+    inputs = FitInputs(part.doc_kv, targets if has_targets else None, seed=ctx.config.train.seed, bits=s.bits)
+    if baseline.reads_document:
+        tcfg = ctx.config.targets
+        spans = tuple((r.instruction, r.response) for r in make_recon(ctx.text, tcfg.recon, tcfg.probes))
+        select = ctx.config.train.module.select.model_copy(update=s.options)
+        inputs = dataclasses.replace(inputs, base=base, layout=part.layout, document=ctx.text, spans=spans,
+                                     select=select)
+    elif not has_targets:
+        raise CompareInputError(f"system {s.name}: fits on the captured targets and {ctx.run.root} has none; run "
+                                "its data stages (`nectar run`) or compare a baseline that reads the document "
+                                "(kvzip_fit@int4)")
+    dims = dict(num_layers=base.num_layers, num_kv_heads=base.num_kv_heads, head_dim=base.head_dim,
+                n_context=part.layout.n, scaling=base.scaling)
+    fitted = baseline.fit(baseline_plan(ctx, rho, dims), inputs)
+    return State(fitted, int(fitted.nbytes), time.perf_counter() - t0, s.baseline)
+
+
+@dataclass
+class Entry:
+    """One scored system (a row per split): its key, how it is shown, its provider and facts."""
+
+    key: str
+    kind: str
+    rho: float | None
+    provider: Any
+    nbytes: int
+    seconds: float | None
+    source: str
+    arch: str | None = None
+    base_system: str | None = None  # the per-document system it composes
+    positions: str | None = None
+
+
+def composed_entries(parts: list[Part], s: System, rho: float, positions: list[str], base, n: int,
+                     log: Callable[[str], None], cache_dir: str | None = None, prefix=None) -> list[Entry]:
+    """The system fitted on every document, composed under each layout (and, given the shared template
+    prefix's exact state, with that prefix held once: ``+once``), and each document alone."""
+    states = []
+    for part in parts:
+        st = fit_part(part, s, rho, base, cache_dir)
+        log(f"compose: {s.name} @ {rho:g} on {part.label}: {st.nbytes / 1e6:.3f} MB in {st.seconds:.0f} s")
+        states.append(st)
+    lengths = [p.layout.n for p in parts]
+    total, secs = sum(st.nbytes for st in states), sum(st.seconds for st in states)
+    out = []
+    for pos in positions:
+        for once in ([False, True] if prefix is not None else [False]):
+            provider, _ = compose([st.provider for st in states], lengths, pos, base.model, at=n,
+                                  prefix=prefix if once else None)
+            layout = f"{pos}+once" if once else pos
+            out.append(Entry(f"compose[{layout}]:{s.name}@{rho:g}", "baseline", rho, provider, total, secs,
+                             f"{len(parts)} states composed, positions {pos}"
+                             + (", template prefix held once (its exact KV from the model, not stored)" if once else ""),
+                             states[0].arch, s.name, layout))
+    for i, (part, st) in enumerate(zip(parts, states)):
+        only = [st.provider if j == i else None for j in range(len(parts))]
+        provider, _ = compose(only, lengths, "concat", base.model, at=n)
+        out.append(Entry(f"alone:{part.label}:{s.name}@{rho:g}", "baseline", rho, provider, st.nbytes, st.seconds,
+                         f"{part.label}'s state alone, at its concat offset", st.arch, s.name, "alone"))
+    return out
+
+
+def kvpress_entries(jobs: list[tuple[System, float]], base, ctx: RunContext, context_ids, doc_kv: DocKV,
+                    sel: Selection, workdir: str, sums: dict, notes: dict) -> list[Entry]:
+    """The presses on the concatenated context (kvpress's venv); rows that cannot run are reported."""
+    if not jobs:
+        return []
+    press_jobs = [PressJob(f"{s.name}@{rho:g}", s.press, rho, s.bits) for s, rho in jobs]
+    ids = [p.pair_id for p in sel.pairs]
+    cached = {j.key: r for j in press_jobs if (r := _load_press(workdir, j.key, ids, context_ids)) is not None}
+    todo = [j for j in press_jobs if j.key not in cached]
+    result = BridgeResult(dict(cached))
+    if todo:
+        try:
+            result = score_presses(base, ctx.config.model, list(context_ids), doc_kv, sel.pairs, todo, workdir)
+        except (KvpressEnvError, KvpressError) as exc:
+            print(f"kvpress rows left out: {exc}")
+            notes["kvpress"] = {"error": str(exc)}
+            return []
+        for key, r in result.results.items():
+            _save_press(workdir, key, ids, context_ids, r)
+        result.results.update(cached)
+    notes["kvpress"] = {**result.facts, "guard_max_token_kl": result.guard_max_kl, "errors": result.errors,
+                        "reused": sorted(cached)}
+    out = []
+    for (s, rho), job in zip(jobs, press_jobs):
+        r = result.results.get(job.key)
+        if r is None:
+            print(f"kvpress row {job.key} left out: {result.errors.get(job.key, 'no result')}")
+            continue
+        sums[job.key] = r.sums
+        out.append(Entry(job.key, "kvpress", rho, None, r.state_bytes, r.press_s,
+                         f"kvpress {s.press} on the concatenation, {r.kept_entries} entries", s.press))
+    return out
+
+
+def _press_path(workdir: str, key: str) -> str:
+    return f"{workdir}/{re.sub(r'[^A-Za-z0-9_.@-]', '_', key)}.result.json"
+
+
+def _load_press(workdir: str, key: str, pair_ids: list[str], context_ids) -> PressResult | None:
+    """A press's per-pair sums from an earlier compare into the same folder, if made on these pairs
+    and this context (a press takes minutes; scoring the compositions again should not redo it)."""
+    import os
+
+    path = _press_path(workdir, key)
+    if not os.path.exists(path):
+        return None
+    saved = json.loads(open(path).read())
+    if saved["pair_ids"] != pair_ids or saved["context_ids"] != list(context_ids):
+        return None
+    sums = PairSums(*(np.asarray(saved["sums"][k]) for k in ("correct", "nll", "kl", "n")))
+    return PressResult(sums, saved["press_s"], saved["score_s"], saved["kept_entries"], saved["state_bytes"])
+
+
+def _save_press(workdir: str, key: str, pair_ids: list[str], context_ids, r: PressResult) -> None:
+    blob = {"pair_ids": pair_ids, "context_ids": list(context_ids), "press_s": r.press_s, "score_s": r.score_s,
+            "kept_entries": r.kept_entries, "state_bytes": r.state_bytes,
+            "sums": {k: getattr(r.sums, k).tolist() for k in ("correct", "nll", "kl", "n")}}
+    atomic_write(_press_path(workdir, key), json.dumps(blob))
+
+
+def plan_systems(systems: list[str] | None, positions: list[str] | None) -> tuple[list[System], list[str]]:
+    names = systems or ["none", "full", "kvzip_fit@int4"]
+    own = [n for n in names if n == "module"]
+    try:
+        chosen = resolve([n for n in names if n != "module"])
+    except ConfigError as exc:
+        raise CompareInputError(str(exc)) from None
+    if own:
+        chosen.append(System("module", "trained", "each run's trained module", regime="kvzip"))
+    for s in chosen:
+        if s.kind == "trained" and s.name != "module":
+            raise CompareInputError(f"system {s.name}: composing trains nothing; compose each run's own module "
+                                    "(`module`), a baseline (kvzip_fit@int4) or a kvpress press")
+    positions = positions or list(POSITIONS)
+    for p in positions:
+        if p not in POSITIONS:
+            raise CompareInputError(f"--positions {p!r} is not one of {list(POSITIONS)}")
+    return chosen, positions
+
+
+def compare_composed(run_dirs: list[str], out_dir: str, systems: list[str] | None = None,
+                     rhos: list[float] | None = None, positions: list[str] | None = None,
+                     per_doc: int = 40, both: int = 20, log: Callable[[str], None] = print,
+                     prefix_once: bool = True) -> dict[str, Any]:
+    """Open, probe, fit, compose, score and write (module docstring); returns the outputs' facts."""
+    chosen, positions = plan_systems(systems, positions)
+    ctxs = open_runs(run_dirs)
+    rhos = list(dict.fromkeys(rhos or [ctxs[0].config.train.module.rho]))
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    base = load_base(ctxs[0].config)
+    names = labels(ctxs)
+    parts = []
+    for c, label in zip(ctxs, names):
+        layout = build_layout(base.tokenizer, c.text)
+        parts.append(Part(c, label, layout, prefill_document(base, layout.context_ids)))
+    concat_text = SEPARATOR.join(c.text for c in ctxs)
+    layout = build_layout(base.tokenizer, concat_text)
+    t1 = time.perf_counter()
+    full_kv = prefill_document(base, layout.context_ids)
+    prefill_s = time.perf_counter() - t1
+    timings["load_and_prefill_s"] = time.perf_counter() - t0
+    cfg = ctxs[0].config.evaluate
+    sel = selection(composed_prompts(list(zip(names, (c.text for c in ctxs))), ctxs[0], per_doc, both, cfg.seed),
+                    layout)
+    log(f"compose: {len(parts)} documents ({', '.join(f'{p.label} n={p.layout.n}' for p in parts)}), concatenated "
+        f"n={layout.n}; {len(sel.pairs)} prompts ({', '.join(f'{k} {len(v)}' for k, v in sel.per_split.items())})")
+    entries = [Entry("none", "reference", None, None, 0, 0.0, "no document"),
+               Entry("full", "reference", None, ExactDocState(full_kv), full_kv.nbytes(), prefill_s,
+                     "the concatenated documents' KV cache")]
+    t0 = time.perf_counter()
+    common = shared_prefix([p.layout.context_ids for p in parts])
+    prefix = ExactDocState(prefill_document(base, common)) if prefix_once and common else None
+    for s in chosen:
+        if s.kind in ("baseline", "trained"):
+            for rho in (rhos if s.kind == "baseline" else [None]):
+                entries += composed_entries(parts, s, rho, positions, base, layout.n, log,
+                                            f"{out_dir.rstrip('/')}/states", prefix)
+    timings["fit_s"] = time.perf_counter() - t0
+    sums_extra: dict = {}
+    notes: dict[str, Any] = {"positions": positions}
+    t0 = time.perf_counter()
+    presses = [(s, rho) for s in chosen if s.kind == "kvpress" for rho in rhos]
+    entries += kvpress_entries(presses, base, ctxs[0], layout.context_ids, full_kv, sel,
+                               f"{out_dir.rstrip('/')}/kvpress", sums_extra, notes)
+    if presses:
+        timings["kvpress_s"] = time.perf_counter() - t0
+    providers = {e.key: e.provider for e in entries if e.kind != "kvpress"}
+    sums, quality = score_providers(base, layout.n, providers, sel, cfg, SCORE_BATCH, 8, None, timings, sums_extra)
+    notes["differences"] = differences(entries, sums, sel, quality, cfg)
+    facts = {"runs": [c.run.root for c in ctxs], "documents": [c.info.source_uri for c in ctxs],
+             "model": base.name, "n": layout.n, "n_parts": [p.layout.n for p in parts], "n_shared_prefix": len(common),
+             "kv_bytes": full_kv.nbytes(), "kv_bytes_parts": [p.doc_kv.nbytes() for p in parts],
+             "kv_dtype": str(full_kv.keys[0].dtype).removeprefix("torch."), "created_at": now()}
+    return write(out_dir, entries, quality, facts, timings, notes)
+
+
+def differences(entries: list[Entry], sums: dict, sel: Selection, quality, cfg) -> list[dict[str, Any]]:
+    """Paired Δ recovered KL of every composed or lone state to the best press at its ρ, per split."""
+    out = []
+    for split, idx in sel.split_index().items():
+        if not len(idx) or split not in quality:
+            continue
+        pairs = []
+        for rho in sorted({e.rho for e in entries if e.rho is not None}):
+            presses = [e for e in entries if e.kind == "kvpress" and e.rho == rho]
+            if not presses:
+                continue
+            ref = max(presses, key=lambda e: quality[split][e.key].recovered_kl.value)
+            pairs += [(e.key, ref.key) for e in entries if e.rho == rho and e.kind != "kvpress"]
+        if pairs:
+            split_sums = {k: s.take(idx) for k, s in sums.items()}
+            for (a, b), est in recovered_differences(split_sums, pairs, split, cfg.bootstrap_resamples,
+                                                     cfg.seed).items():
+                out.append({"split": split, "system": a, "reference": b, "n_pairs": est.n_pairs,
+                            "delta_recovered_kl": est.value, "low": est.low, "high": est.high})
+    return out
+
+
+def rows(entries: list[Entry], quality) -> list[ComparisonRow]:
+    out = []
+    for split, by_key in quality.items():
+        for e in entries:
+            cols = by_key[e.key].columns()
+            out.append(ComparisonRow(system=e.key.rsplit("@", 1)[0] if e.rho is not None else e.key, kind=e.kind,
+                                     arch=e.arch, rho=e.rho, state_bytes=e.nbytes, split=split,
+                                     train_seconds=e.seconds, state_seconds=e.seconds, source=e.source,
+                                     **ComparisonRow.quality(cols)))
+    return out
+
+
+def write(out_dir: str, entries: list[Entry], quality, facts: dict[str, Any], timings: dict[str, float],
+          notes: dict[str, Any]) -> dict[str, Any]:
+    from .table import comparison_markdown
+
+    out = RunDir(out_dir)
+    out.makedirs()
+    table = rows(entries, quality)
+    write_table(out.url("comparison.parquet"), table, ComparisonRow)
+    data = [r.model_dump(exclude={"schema_version"}) for r in table]
+    md = comparison_markdown(data, {k: v for k, v in facts.items() if k not in ("runs", "kv_bytes_parts")})
+    md = md.replace("# Equal-bytes comparison", "# Several documents at once: composed states at equal bytes", 1)
+    md += differences_markdown(notes.get("differences", []))
+    atomic_write(out.url("comparison.md"), md)
+    timings["total_s"] = sum(v for k, v in timings.items() if k != "total_s")
+    info = {**facts, "timings_s": {k: round(v, 2) for k, v in timings.items()},
+            "systems": [e.key for e in entries], **notes}
+    atomic_write(out.url("info.json"), json.dumps(info, indent=1, default=str))
+    return {"out": out.root, "markdown": md, "rows": table, "info": info}

@@ -1,0 +1,91 @@
+"""``nectar compare RUN_A RUN_B``: states of two documents composed, scored against the concatenation
+(nectar/comparison/compose.py), on the tiny model with runs that hold only their documents."""
+import json
+
+import pytest
+
+from nectar import orchestration
+from nectar.comparison.compose import compare_composed, composed_prompts, open_runs
+from nectar.comparison.run import CompareInputError
+from nectar.schemas import ComparisonRow, load_config
+from nectar.tables import read_table
+
+DOC_A = ("The lighthouse keeper of Varn Island kept a ledger of every ship that passed the northern reef. "
+         "In the winter of 1871 the schooner Meridian ran aground, and the keeper rowed out twice to bring "
+         "its seven sailors ashore through the freezing spray. The ledger records that the Meridian carried "
+         "salt cod and barrels of lamp oil from Bergen. Her captain, Ilse Brandt, later bought the island "
+         "with the salvage money and built a second lamp on the southern cliff. The keeper's daughter "
+         "painted both lamps red in the spring of 1880 so that fishermen could tell them apart at dusk.\n\n"
+         "A storm in 1884 broke the northern lamp, and for three winters only the southern cliff was lit. ")
+DOC_B = ("The amendment of 1902 moved the ledger to the harbour office at Kell, where clerk Oskar Lind "
+         "copied every page twice a year. One copy went by mail boat to the archive in Tromsø, the other "
+         "stayed in a locked oak chest under the harbour master's desk. Lind added a column for the weather "
+         "at each passing, which the old keeper had never recorded. In 1911 a fire in the harbour office "
+         "burned the oak chest, but the Tromsø copy survived and is read there today by visiting historians.\n\n"
+         "The amendment also required every captain to sign the ledger in person when landing at Kell. ")
+
+
+def _run(root, name, text, model="tiny:llama"):
+    path = root / f"{name}.txt"
+    path.write_text(text)
+    config = load_config("tiny", overrides=["evaluate.bootstrap_resamples=200", f"model.name={model}",
+                                            "targets.probes.min_response_words=6", "targets.probes.block_units=1"])
+    return orchestration.prepare_run(str(path), config, str(root / name)).run.root
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("compose")
+    return _run(root, "varn", DOC_A), _run(root, "kell", DOC_B)
+
+
+def test_prompts_read_each_document_and_both(two_runs):
+    ctxs = open_runs(list(two_runs))
+    prompts = composed_prompts([("a", DOC_A), ("b", DOC_B)], ctxs[0], per_doc=50, both=3)
+    splits = {s for p in prompts for s in p.splits}
+    assert {"probes", "probes:a", "probes:b", "both"} <= splits
+    both = [p for p in prompts if p.task == "both"]
+    assert len(both) == 3
+    for p in both:  # needs a sentence of each document, in either order
+        first, second = p.response.split("\n", 1)
+        assert (first in DOC_A and second in DOC_B) or (first in DOC_B and second in DOC_A)
+
+
+@pytest.mark.slow
+def test_compare_composed_writes_rows_for_every_layout_and_part(two_runs, tmp_path):
+    out = tmp_path / "out"
+    res = compare_composed(list(two_runs), str(out), ["none", "full", "kvzip_fit@int4"], rhos=[0.2],
+                           per_doc=6, both=3, log=lambda _: None)
+    rows = read_table(str(out / "comparison.parquet"), ComparisonRow)
+    systems = {r.system for r in rows}
+    assert {"none", "full", "compose[concat]:kvzip_fit@int4", "compose[concat+once]:kvzip_fit@int4",
+            "compose[own]:kvzip_fit@int4", "compose[longest]:kvzip_fit@int4", "alone:varn:kvzip_fit@int4",
+            "alone:kell:kvzip_fit@int4"} <= systems
+    assert {r.split for r in rows} >= {"probes", "probes:varn", "probes:kell", "both"}
+    by = {(r.system, r.split): r for r in rows}
+    composed, alone = by[("compose[concat]:kvzip_fit@int4", "probes")], by[("alone:varn:kvzip_fit@int4", "probes")]
+    assert composed.state_bytes > alone.state_bytes > 0  # the composition holds both documents' states
+    assert by[("full", "probes")].kl_to_full == pytest.approx(0.0, abs=1e-6)
+    info = json.loads((out / "info.json").read_text())
+    assert info["n"] < sum(info["n_parts"])  # one chat prefix in the concatenation, one per part composed
+    assert 0 < info["n_shared_prefix"] <= sum(info["n_parts"]) - info["n"]
+    assert "Several documents at once" in res["markdown"]
+
+
+def test_runs_of_different_base_models_are_refused_in_one_line(two_runs, tmp_path):
+    other = _run(tmp_path, "qwen", DOC_B, model="tiny:qwen2")
+    with pytest.raises(CompareInputError, match="base model 'tiny:qwen2'.*differs from 'tiny:llama'") as err:
+        open_runs([two_runs[0], other])
+    assert "\n" not in str(err.value)
+    from typer.testing import CliRunner
+
+    from nectar.pipeline.cli import app
+
+    res = CliRunner().invoke(app, ["compare", two_runs[0], other, "--out", str(tmp_path / "o")])
+    assert res.exit_code == 2 and "differs from 'tiny:llama'" in res.output
+    assert len(res.output.strip().splitlines()) == 1, res.output
+
+
+def test_one_run_is_not_a_composition(two_runs):
+    with pytest.raises(CompareInputError, match="at least two runs"):
+        open_runs([two_runs[0]])
