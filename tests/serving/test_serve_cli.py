@@ -15,7 +15,7 @@ def test_a_run_without_a_module_is_refused(tmp_path, document):
     doc.write_text(document)
     ctx = prepare_run(str(doc), load_config("tiny"), str(tmp_path / "run"))
     result = CliRunner().invoke(app, ["serve", ctx.run.root, "--port", "0"])
-    assert result.exit_code == 1 and "no trained module" in result.output
+    assert result.exit_code == 1 and "no state to answer with yet" in result.output
 
 
 def test_bad_limits_and_a_busy_port_are_refused(tmp_path):
