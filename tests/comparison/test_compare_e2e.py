@@ -86,6 +86,8 @@ def test_compare_writes_every_system_and_split_and_reuses_training(tiny_run, ext
     keys = {(r.system, r.rho, r.split) for r in rows}
     want = {(s, None, sp) for s in ("none", "full") for sp in splits}
     want |= {(s, rho, sp) for s in systems[2:] for rho in rhos for sp in splits}
+    # the run's own trained state is compared unnamed (issue 39), at the run's budget
+    want |= {("run:refined", ctx.config.train.module.rho, sp) for sp in splits}
     assert keys == want and len(rows) == len(want)
     by = {(r.system, r.rho, r.split): r for r in rows}
     for split in splits:
@@ -137,7 +139,7 @@ def test_cli_compare_through_prefect_with_progress_and_status(tiny_run, tmp_path
     assert "| regression | trained |" in res.stdout and "| truncate | baseline |" in res.stdout
     assert res.stdout.strip().endswith("compare/comparison.md")
     status = subprocess.run([*cli, "status", run_dir], capture_output=True, text=True, env=env)
-    assert "comparison: " in status.stdout and "4 systems" in status.stdout
+    assert "comparison: " in status.stdout and "5 systems" in status.stdout  # + the run's own state, unnamed
 
 
 def test_bad_inputs_are_one_line_errors(tiny_run, tmp_path):
@@ -156,7 +158,8 @@ def test_bad_inputs_are_one_line_errors(tiny_run, tmp_path):
     with pytest.raises(comparison.CompareInputError, match="--rho 1e-06"):
         comparison.plan_jobs(tiny_run, ["regression"], [1e-6])
     jobs = comparison.plan_jobs(tiny_run, ["none", "full"], [0.1, 0.2])
-    assert [(j.key, j.rho) for j in jobs] == [("none", None), ("full", None)]  # references once, at no ρ
+    # references once, at no ρ; the run's own state (run:refined) joins unnamed, at the run's budget
+    assert [(j.key, j.rho) for j in jobs if not j.key.startswith("run:")] == [("none", None), ("full", None)]
 
 
 @pytest.fixture(scope="module")
@@ -194,12 +197,13 @@ def test_compare_scores_kvpress_presses_on_the_same_pairs(tiny_run, kvpress_env)
     assert 0 <= info["kvpress"]["guard_max_token_kl"] <= 1e-3 and "kvpress:kvzip" in info["systems"]
     # truncate against the better press at each budget, paired on the same pairs: the gap of the two rows
     diffs = {(d["split"], d["system"]): d for d in info["differences"]}
-    assert {k[1] for k in diffs} == {f"truncate@{rho:g}", "truncate@0.3"}
+    assert {k[1] for k in diffs} - {f"run:refined@{rho:g}"} == {f"truncate@{rho:g}", "truncate@0.3"}
     for (split, key), d in diffs.items():
         b = float(key.split("@")[1])
         ref = max((by[(p, b, split)] for p in ("kvpress:kvzip", "kvpress:streaming_llm")), key=lambda r: r.recovered_kl)
         assert d["reference"] == f"{ref.system}@{b:g}" and d["low"] <= d["delta_recovered_kl"] <= d["high"]
-        assert d["delta_recovered_kl"] == pytest.approx(by[("truncate", b, split)].recovered_kl - ref.recovered_kl)
+        system = key.split("@")[0]  # truncate, or the run's own state
+        assert d["delta_recovered_kl"] == pytest.approx(by[(system, b, split)].recovered_kl - ref.recovered_kl)
     assert "## Paired differences" in md
 
 
@@ -211,7 +215,7 @@ def test_compare_goes_on_without_kvpress_rows_when_its_env_fails_fake_failure(ti
 
     monkeypatch.setattr(bridge, "ensure_env", broken)
     res = comparison.compare(tiny_run, ["none", "full", "kvpress:knorm"])
-    assert {r.system for r in res.rows} == {"none", "full"}
+    assert {r.system for r in res.rows} == {"none", "full", "run:refined"}  # the run's own state is always in
     assert "kvpress rows left out: kvpress venv: pip install torch==2.13.0 failed" in capsys.readouterr().out
     info = json.load(open(tiny_run.run.local_path("compare", "info.json")))
     assert "no network" in info["kvpress"]["error"]
