@@ -70,9 +70,14 @@ def compile_cache_dir() -> Path:
     return Path(os.environ.get("NECTAR_VLLM_COMPILE_CACHE", venv_dir().parent / "vllm-compile-cache"))
 
 
+WARM_STAMP = "nectar-warm-up.json"  # the setup's record of the warm-up, kept beside the cache it describes
+
+
 def cache_entries(path: Path) -> int:
-    """Files in a compile cache (a start that adds none compiled nothing)."""
-    return sum(len(files) for _, _, files in os.walk(path)) if path.exists() else 0
+    """Files in a compile cache, the warm-up's stamp not counted (a start that adds none compiled nothing)."""
+    if not path.exists():
+        return 0
+    return sum(len([f for f in files if f != WARM_STAMP]) for _, _, files in os.walk(path))
 
 
 def _pins() -> tuple[str, ...]:

@@ -21,7 +21,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
-from .vllm_server import ServerSpec, VLLMServer, cache_entries, compile_cache_dir
+from .vllm_server import WARM_STAMP, ServerSpec, VLLMServer, cache_entries, compile_cache_dir
 
 _FILLER = ("The committee met on the third day to review the harbour accounts, the lamp oil ledgers and "
            "the keepers' rotas, and it recorded every decision in the minute book. ")
@@ -29,7 +29,7 @@ _FILLER = ("The committee met on the third day to review the harbour accounts, t
 
 def stamp_path() -> Path:
     """Beside the cache it describes: deleting the cache deletes the claim that it is warm."""
-    return compile_cache_dir() / "nectar-warm-up.json"
+    return compile_cache_dir() / WARM_STAMP
 
 
 def _spec_key(spec: ServerSpec) -> dict:
