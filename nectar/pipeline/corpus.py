@@ -298,7 +298,7 @@ def check_single_document_flags(**given: Any) -> None:
 
     used = [f"--{k.rstrip('_').replace('_', '-')}" for k, v in given.items() if v]
     if used:
-        raise CorpusError(f"{', '.join(used)} apply to one document; a corpus gives each document its own run "
+        raise CorpusError(f"{', '.join(used)} {'applies' if len(used) == 1 else 'apply'} to one document; a corpus gives each document its own run "
                           "directory (a manifest entry's run_dir) and resumes failed ones at their failed stage "
                           "by itself — drop the flag, or run that document alone")
 

@@ -30,7 +30,8 @@ ROWS = [
     ("doc-not-utf8", lambda t: ["run", _write(t / "l.txt", "Café crème\n".encode("latin-1"))],
      "is not valid UTF-8: byte 0xe9 at offset 3", 2),
     ("doc-missing", lambda t: ["run", str(t / "nope.txt")], "does not exist", 2),
-    ("doc-directory", lambda t: ["run", str(t)], "is a directory; give one text file", 2),
+    # a directory is a corpus (one run per document inside): with --run-dir it is refused in one line
+    ("doc-directory", lambda t: ["run", str(t)], "--run-dir applies to one document; a corpus gives each", 2),
     ("doc-url-missing", lambda t: ["run", "memory://nectar-matrix/none.txt"], "does not exist", 2),
     ("doc-pydoc-unknown", lambda t: ["run", "pydoc:no-such-topic"], "unknown pydoc topic 'no-such-topic'", 2),
     ("doc-too-long", lambda t: ["run", _write(t / "long.txt", b"The keeper wrote in the ledger. " * 1200)],
@@ -105,7 +106,10 @@ def test_run_directory_of_another_document_is_refused_and_untouched(run_copy, tm
 
 
 def _edit_spec(run_dir: str, **changes) -> None:
-    spec = Path(run_dir) / "train" / "module.json"
+    """Edit the spec of the state that answers: the live one (state/<sha16>/), or train/ in older runs."""
+    live = Path(run_dir) / "state" / "live.json"
+    folder = Path(run_dir) / json.loads(live.read_text())["dir"] if live.exists() else Path(run_dir) / "train"
+    spec = folder / "module.json"
     data = json.loads(spec.read_text())
     data.update(changes)
     spec.write_text(json.dumps(data))
@@ -128,5 +132,6 @@ def test_ask_refuses_a_module_of_another_document_or_model(run_copy, which):
 
 def test_ask_without_a_trained_module(run_copy):
     shutil.rmtree(Path(run_copy) / "train")
+    shutil.rmtree(Path(run_copy) / "state", ignore_errors=True)  # nor a first state (issue 39's live pointer)
     exit_code, _, stderr = cli(["ask", run_copy, "Who binds names?"])
-    assert exit_code == 2 and "no trained module" in _one_line(stderr)
+    assert exit_code == 2 and "no state to answer with yet" in _one_line(stderr)
