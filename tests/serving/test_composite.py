@@ -57,7 +57,14 @@ def test_nectar_ask_with_two_runs_streams_an_answer(served_run, second_run):
 
 
 def test_composing_runs_of_different_base_models_is_refused_in_one_line(served_run, tmp_path):
-    from conftest import DOC2, build_served_run
+    # by path: in a whole-suite run `conftest` names whichever conftest.py was imported first
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("serving_conftest", Path(__file__).with_name("conftest.py"))
+    helpers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(helpers)
+    DOC2, build_served_run = helpers.DOC2, helpers.build_served_run
 
     other = build_served_run(tmp_path, DOC2, overrides=("model.name=tiny:qwen2",))
     with pytest.raises(BaseModelDiffers, match="base model 'tiny:qwen2'.*differs") as err:
