@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def main() -> None:
     from nectar.comparison import open_for_compare, score_and_write
-    from nectar.comparison.run import parse_bytes, plan_jobs, refresh_targets
+    from nectar.comparison import parse_bytes, plan_jobs, refresh_targets
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("run_dir")

@@ -7,7 +7,7 @@ MLP with data"; issue 22, lever 5).
 
 RUN_DIR is a COPY of a completed cpu run (its targets stage is redone here, in place). Data: the run's
 verified train pairs, then reconstruction spans (``targets.recon.capture=true``,
-``targets.recon.passes=P``: P tilings of the document, nectar/stages/recon.py) — ``train.splits:
+``targets.recon.passes=P``: P tilings of the document, nectar/queries/recon.py) — ``train.splits:
 train+recon``. Each point trains on a nested subset: train pairs in a seeded order, then reconstruction
 spans, whole pairs up to N query tokens (``train.max_query_tokens``). Every system is the `nectar
 compare` system of that name (its preset regime at the cpu preset, float32 storage) with:
@@ -30,7 +30,10 @@ import json
 import time
 from pathlib import Path
 
-from nectar.comparison.run import Job, check_ready, score_and_write, train_missing, variant_for
+from nectar.comparison import score_and_write, train_missing
+from nectar.comparison.inputs import check_ready
+from nectar.comparison.jobs import Job
+from nectar.comparison.variants import variant_for
 from nectar.comparison.systems import SYSTEMS, trained_config
 from nectar.evaluation.plots import data_curve
 from nectar.orchestration.context import open_run

@@ -20,7 +20,8 @@ from __future__ import annotations
 import argparse
 import shutil
 
-from nectar.comparison.run import Job, open_for_compare, parse_bytes, score_and_write
+from nectar.comparison import open_for_compare, parse_bytes, score_and_write
+from nectar.comparison.jobs import Job
 from nectar.comparison.systems import SYSTEMS, resolve
 
 

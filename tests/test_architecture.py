@@ -29,7 +29,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
             {
                 "attention", "baselines", "documents", "evaluation", "integrity",
                 "layout", "llm", "base_model", "modules", "prompts", "shutdown", "storage", "tables",
-                "targets", "training", "quantization", "kvpress", "cache_call",
+                "targets", "training", "quantization", "kvpress", "cache_call", "queries", "partial",
             }
         ),
     ),

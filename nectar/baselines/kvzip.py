@@ -2,7 +2,7 @@
 budget ranked across all layers and KV heads, anchors kept exact — then, optionally, Attention
 Matching's closed-form β and values on the kept keys (what only this project adds on top).
 
-  1. score    the reconstruction spans (nectar/stages/recon.py) run through the model against the
+  1. score    the reconstruction spans (nectar/queries/recon.py) run through the model against the
               exact document KV; at every layer, key j of KV head h scores its attention probability
               under the WHOLE softmax (document keys and the query's own tokens: a head that mostly
               reads its local context gives the document little), aggregated over the response

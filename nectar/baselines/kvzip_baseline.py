@@ -26,7 +26,7 @@ def fit_kvzip(base: BaseLM, layout: PromptLayout, document: str, doc_kv, targets
               seed: int = 0, timings: dict[str, float] | None = None) -> FittedBaseline:
     """KVzip-style selection (and the closed-form fit) in the bytes of ``plan``, stored at
     ``plan.bits``: reconstruct the document's ``spans`` ((instruction, response),
-    nectar/stages/recon.py) against its exact KV, keep the best keys (as many as the bytes buy at
+    nectar/queries/recon.py) against its exact KV, keep the best keys (as many as the bytes buy at
     that precision), fit β and values (nectar/baselines/kvzip.py). ``targets``: the targets (a URL or
     an open ``TargetsData``) whose train queries join the ranking (``score_queries``) and the fit
     (``fit_queries``), or None. ``timings``: seconds of each part added to it (recon_s, allocate_s and

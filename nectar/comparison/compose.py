@@ -3,7 +3,7 @@ the documents concatenated (docs/quality.md, "Several documents at once").
 
   1. open    the runs (one base model, else refused in one line); the reference context is their
              documents joined by a blank line in the order given, under the model's chat layout
-  2. probes  held-out probes of each document (``stages/probes.py``, the run's probe settings, split
+  2. probes  held-out probes of each document (``queries/probes.py``, the run's probe settings, split
              ``probes:<doc>``), and prompts that need both: quote the sentence holding a phrase of one
              document, then the one holding a phrase of the other (split ``both``); ``probes`` is all of
              them. Every prompt is scored at the concatenation's positions
@@ -33,7 +33,6 @@ from ..attention.doc_kv import DocKV, prefill_document
 from ..attention.exact import ExactDocState
 from ..baselines import FitInputs, get_baseline
 from ..baselines.interface import FittedBaseline
-from ..evaluation.quality import recovered_differences
 from ..evaluation.scoring import score_providers
 from ..evaluation.selection import Selection
 from ..evaluation.teacher import EvalPair, PairSums
@@ -43,11 +42,15 @@ from ..orchestration.context import RunContext, load_base
 from ..orchestration.executor import RunDir, now
 from ..schemas.artifacts import ComparisonRow, ProbeRow
 from ..schemas.presets import ConfigError
-from ..stages.probes import make_probes
-from ..stages.recon import make_recon
+from ..queries.probes import make_probes
+from ..queries.recon import make_recon
 from ..storage import atomic_write
-from ..tables import write_table
-from .run import SCORE_BATCH, CompareInputError, baseline_plan, differences_markdown, open_for_compare
+from .differences import to_best_press
+from .inputs import CompareInputError, open_for_compare
+from .jobs import baseline_plan
+from .outputs import write_comparison
+from .run import SCORE_BATCH
+from .table import comparison_markdown, differences_markdown
 from .systems import System, resolve
 
 SEPARATOR = "\n\n"  # between the documents of the reference context
@@ -398,34 +401,13 @@ def compare_composed(run_dirs: list[str], out_dir: str, systems: list[str] | Non
         timings["kvpress_s"] = time.perf_counter() - t0
     providers = {e.key: e.provider for e in entries if e.kind != "kvpress"}
     sums, quality = score_providers(base, layout.n, providers, sel, cfg, SCORE_BATCH, 8, None, timings, sums_extra)
-    notes["differences"] = differences(entries, sums, sel, quality, cfg)
+    notes["differences"] = to_best_press([(e.key, e.rho, e.kind == "kvpress") for e in entries], sums, sel,
+                                        quality, cfg)
     facts = {"runs": [c.run.root for c in ctxs], "documents": [c.info.source_uri for c in ctxs],
              "model": base.name, "n": layout.n, "n_parts": [p.layout.n for p in parts], "n_shared_prefix": len(common),
              "kv_bytes": full_kv.nbytes(), "kv_bytes_parts": [p.doc_kv.nbytes() for p in parts],
              "kv_dtype": str(full_kv.keys[0].dtype).removeprefix("torch."), "created_at": now()}
     return write(out_dir, entries, quality, facts, timings, notes)
-
-
-def differences(entries: list[Entry], sums: dict, sel: Selection, quality, cfg) -> list[dict[str, Any]]:
-    """Paired Δ recovered KL of every composed or lone state to the best press at its ρ, per split."""
-    out = []
-    for split, idx in sel.split_index().items():
-        if not len(idx) or split not in quality:
-            continue
-        pairs = []
-        for rho in sorted({e.rho for e in entries if e.rho is not None}):
-            presses = [e for e in entries if e.kind == "kvpress" and e.rho == rho]
-            if not presses:
-                continue
-            ref = max(presses, key=lambda e: quality[split][e.key].recovered_kl.value)
-            pairs += [(e.key, ref.key) for e in entries if e.rho == rho and e.kind != "kvpress"]
-        if pairs:
-            split_sums = {k: s.take(idx) for k, s in sums.items()}
-            for (a, b), est in recovered_differences(split_sums, pairs, split, cfg.bootstrap_resamples,
-                                                     cfg.seed).items():
-                out.append({"split": split, "system": a, "reference": b, "n_pairs": est.n_pairs,
-                            "delta_recovered_kl": est.value, "low": est.low, "high": est.high})
-    return out
 
 
 def rows(entries: list[Entry], quality) -> list[ComparisonRow]:
@@ -442,19 +424,13 @@ def rows(entries: list[Entry], quality) -> list[ComparisonRow]:
 
 def write(out_dir: str, entries: list[Entry], quality, facts: dict[str, Any], timings: dict[str, float],
           notes: dict[str, Any]) -> dict[str, Any]:
-    from .table import comparison_markdown
-
     out = RunDir(out_dir)
     out.makedirs()
     table = rows(entries, quality)
-    write_table(out.url("comparison.parquet"), table, ComparisonRow)
     data = [r.model_dump(exclude={"schema_version"}) for r in table]
     md = comparison_markdown(data, {k: v for k, v in facts.items() if k not in ("runs", "kv_bytes_parts")})
     md = md.replace("# Equal-bytes comparison", "# Several documents at once: composed states at equal bytes", 1)
     md += differences_markdown(notes.get("differences", []))
-    atomic_write(out.url("comparison.md"), md)
     timings["total_s"] = sum(v for k, v in timings.items() if k != "total_s")
-    info = {**facts, "timings_s": {k: round(v, 2) for k, v in timings.items()},
-            "systems": [e.key for e in entries], **notes}
-    atomic_write(out.url("info.json"), json.dumps(info, indent=1, default=str))
+    info = write_comparison(out.root, table, md, {**facts, "systems": [e.key for e in entries]}, timings, notes)
     return {"out": out.root, "markdown": md, "rows": table, "info": info}

@@ -7,29 +7,20 @@ costs k trainings, not k pipelines. The comparison table gathers every variant's
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 from typing import Any
 
-from ..orchestration import RunContext, read_eval_tables
-from ..orchestration.executor import CODE_VERSION, RunDir, now, slug
-from ..schemas.artifacts import RunManifest
+from ..orchestration import read_eval_tables
+from ..orchestration.executor import RunDir, slug
 from ..schemas.base import stable_hash
 from ..schemas.config import PipelineConfig
 from ..schemas.presets import ConfigError, deep_merge, parse_override, regime_overlay
-from ..storage import atomic_write
-from ..tables import markdown_table, write_json_artifact
+from ..tables import markdown_table
+from .variants import Variant
 
 # Short grid names for the paper's axes; any dotted config key works too.
 ALIASES = {"arch": "train.module.arch", "rho": "train.module.rho", "lambda_kl": "train.lambda_kl",
            "lambda_alpha": "train.lambda_alpha", "lambda_A": "train.lambda_A", "depths": "train.module.depths"}
 VARIANT_SECTIONS = ("train", "evaluate")
-
-
-@dataclass(frozen=True)
-class Variant:
-    name: str
-    settings: dict[str, Any]  # grid key → value
-    config: PipelineConfig
 
 
 def parse_grid(items: list[str]) -> dict[str, list[str]]:
@@ -72,30 +63,6 @@ def with_base(config: PipelineConfig, variants: list[Variant]) -> list[Variant]:
     if any(v.config == config for v in variants):
         return variants
     return [Variant("base", {}, config), *variants]
-
-
-def variant_context(parent: RunContext, variant: Variant) -> RunContext:
-    """The parent run itself for a variant whose config is the parent's (its train/evaluate stages
-    are then cached from ``nectar run``), otherwise a child run directory."""
-    if variant.config == parent.config:
-        return parent
-    return prepare_variant(parent, variant)
-
-
-def prepare_variant(parent: RunContext, variant: Variant) -> RunContext:
-    """A child run directory whose data stages resolve to the parent's."""
-    run = RunDir(parent.run.url("sweep", variant.name))
-    write_json_artifact(run.url("run.json"), RunManifest(
-        doc_id=parent.doc_id, run_id=variant.name, source_uri=parent.info.source_uri,
-        config=variant.config.model_dump(mode="json"), code_version=parent_code_version(),
-        created_at=now(), parent_run=parent.run.root))
-    atomic_write(run.url("document", "document.txt"), parent.text)
-    write_json_artifact(run.url("document", "info.json"), parent.info)
-    return RunContext(run, variant.config, parent.text, parent.info, parent.progress, parent.run)
-
-
-def parent_code_version() -> str:
-    return CODE_VERSION
 
 
 def comparison_row(variant: Variant, run: RunDir) -> dict[str, Any]:

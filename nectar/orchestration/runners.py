@@ -231,8 +231,8 @@ def _train_log(ctx: RunContext) -> list:
 def run_targets(ctx: RunContext, force: bool = False) -> StageOutcome:
     from ..layout import build_layout, check_fits
     from ..schemas.artifacts import ProbeRow
-    from ..stages.probes import make_probes, probe_dataset_rows
-    from ..stages.recon import make_recon, recon_dataset_rows
+    from ..queries.probes import make_probes, probe_dataset_rows
+    from ..queries.recon import make_recon, recon_dataset_rows
     from ..stages.targets import build_targets, plan_pairs, targets_size
     from ..tables import write_table
     from ..targets.size import check_budget
@@ -276,7 +276,7 @@ def run_targets(ctx: RunContext, force: bool = False) -> StageOutcome:
 
 
 def run_train(ctx: RunContext, force: bool = False) -> StageOutcome:
-    from ..stages.recon import make_recon
+    from ..queries.recon import make_recon
     from ..stages.train import TRAIN_OUTPUTS, train
 
     inputs = _upstream_outputs(ctx, "train")

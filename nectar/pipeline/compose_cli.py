@@ -20,7 +20,7 @@ def compare_runs(run_dirs: list[str], rho: Optional[str], bytes_: Optional[str],
     """Compose the runs' states and score them against their concatenated documents (no Prefect: it
     fits closed-form states in seconds and trains nothing)."""
     from ..comparison.compose import compare_composed, labels, open_runs, plan_systems
-    from ..comparison.run import CompareInputError, parse_bytes, parse_rhos
+    from ..comparison.inputs import CompareInputError, parse_bytes, parse_rhos
 
     try:  # fail fast, before any model loads
         plan_systems(_names(systems), _names(positions))

@@ -20,7 +20,7 @@ from prefect.artifacts import create_markdown_artifact, create_progress_artifact
 from prefect.runtime import flow_run
 
 from .. import comparison, orchestration
-from ..comparison import sweep
+from ..comparison import sweep, variants as variant_runs
 from ..orchestration.readers import write_json
 from ..orchestration.executor import StageError, record_failure
 from .gpu_slots import doc_slot, gpu_slot
@@ -199,7 +199,7 @@ def nectar_sweep(
                 if stage in orchestration.SHARED_DATA_STAGES:
                     _stage_subflow(ctx, stage, stage_force)
         for variant in variants:
-            vctx = sweep.variant_context(ctx, variant)
+            vctx = variant_runs.variant_context(ctx, variant)
             for stage in ("train", "evaluate"):
                 _stage_subflow(vctx, stage, force)
             rows.append(sweep.comparison_row(variant, vctx.run))

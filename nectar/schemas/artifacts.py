@@ -63,7 +63,7 @@ Verdict = Literal[
     "grounded", "ungrounded", "disagrees",
 ]
 # "probes": held-out document probes (never trained on); train probes are split "train".
-# "recon": reconstruction spans (nectar/stages/recon.py), training queries of their own.
+# "recon": reconstruction spans (nectar/queries/recon.py), training queries of their own.
 Split = Literal["train", "test", "probes", "dropped", "recon"]
 
 
@@ -106,7 +106,7 @@ SPLIT_CODES: dict[str, int] = {"train": 0, "test": 1, "probes": 2, "recon": 3}
 
 
 class ProbeRow(Artifact):
-    """A document probe (nectar/stages/probes.py): instruction and verbatim response from the text."""
+    """A document probe (nectar/queries/probes.py): instruction and verbatim response from the text."""
 
     schema_version: int = 1
     probe_id: str

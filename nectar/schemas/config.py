@@ -149,7 +149,7 @@ class VerifyConfig(FrozenConfig):
 
 
 class ProbesConfig(FrozenConfig):
-    """Document probes (nectar/stages/probes.py): queries made from the document, no LLM."""
+    """Document probes (nectar/queries/probes.py): queries made from the document, no LLM."""
 
     held_out: bool = True  # cache held-out probes (split "probes") for evaluation
     train: bool = False  # also train on probes of the other positions (split "train")
@@ -165,7 +165,7 @@ class ProbesConfig(FrozenConfig):
 
 
 class ReconConfig(FrozenConfig):
-    """Reconstruction queries (nectar/stages/recon.py): spans tiling the document, each prompted with
+    """Reconstruction queries (nectar/queries/recon.py): spans tiling the document, each prompted with
     the words before it and answered with the span verbatim (KVzip's context reconstruction)."""
 
     capture: bool = False  # the targets stage also captures them as split "recon" (training data)

@@ -5,7 +5,7 @@ function, no Prefect).
                                                           out_url/module.json   (ModuleSpec)
 
 chunk → reconstruction targets → fit, as kvpress's KVzip needs only the document: the document is
-prefilled once, its reconstruction spans (nectar/stages/recon.py) are run against its exact KV to
+prefilled once, its reconstruction spans (nectar/queries/recon.py) are run against its exact KV to
 score every key and capture (q, α, A) of the span tokens, the best keys of all layers and KV heads are
 kept under the train module's byte budget, and β and the values are fitted in closed form to the
 keys as stored (``kvzip_fit@int4`` of ``nectar compare``; nectar/baselines/kvzip.py). No question
@@ -23,7 +23,7 @@ from ..layout import build_layout, check_fits
 from ..modules.builder import ModulePlan, plan_from_config
 from ..modules.io import make_spec, save_module
 from ..schemas.config import FirstConfig, ModuleConfig, ReconConfig, ProbesConfig
-from .recon import make_recon
+from ..queries.recon import make_recon
 
 FIRST_OUTPUTS = ["module.safetensors", "module.json"]
 

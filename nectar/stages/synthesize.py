@@ -26,7 +26,7 @@ from ..schemas.base import stable_hash
 from ..schemas.config import TASK_TYPES, SynthesizeConfig, TaskType
 from ..storage import atomic_write
 from ..tables import write_table
-from .partial import PartialStore, ask_saving
+from ..partial import PartialStore, ask_saving
 
 PAIRS_FILE = "pairs.parquet"
 REQUESTS_FILE = "requests.json"

@@ -28,7 +28,7 @@ def train(
     progress: Callable[[int, int], None] | None = None,
     stop_after: int | None = None,  # stop (as if killed) after this many steps; for tests
     document: str | None = None,  # init kvzip: the document text …
-    spans: list[tuple[str, str]] | None = None,  # … and its reconstruction spans (nectar/stages/recon.py)
+    spans: list[tuple[str, str]] | None = None,  # … and its reconstruction spans (nectar/queries/recon.py)
 ) -> dict:
     """Train, write the module, spec and log into ``out_url``; return the stage counts."""
     return fit(targets_url, cfg, base, doc_kv, out_url, progress, stop_after, document, spans)[1]

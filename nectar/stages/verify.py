@@ -41,7 +41,7 @@ from ..schemas.artifacts import DatasetRow, PairRow
 from ..schemas.base import Artifact, stable_hash
 from ..schemas.config import VerifyConfig
 from ..tables import write_table
-from .partial import PartialStore, ask_saving, clear_partial
+from ..partial import PartialStore, ask_saving, clear_partial
 
 DATASET_FILE = "dataset.parquet"
 

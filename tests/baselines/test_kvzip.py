@@ -14,7 +14,7 @@ from nectar.baselines import fit_kvzip  # noqa: E402
 from nectar.baselines.kvzip import allocate, anchor_mask, recon_capture, template_mask  # noqa: E402
 from nectar.modules import plan_module  # noqa: E402
 from nectar.schemas.config import ProbesConfig, ReconConfig, SelectionConfig  # noqa: E402
-from nectar.stages.recon import make_recon  # noqa: E402
+from nectar.queries.recon import make_recon  # noqa: E402
 from nectar.modules.budget import ragged_pair_bytes  # noqa: E402
 from nectar.modules.fused import fuse_module  # noqa: E402
 from nectar.modules.io import load_module, make_spec, save_module  # noqa: E402

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from nectar import comparison, orchestration
-from nectar.comparison.run import baseline_plan
+from nectar.comparison.jobs import baseline_plan
 from nectar.comparison.systems import SYSTEMS, System, baselines_available
 from nectar.orchestration.executor import run_stage
 from nectar.schemas import ComparisonRow, DatasetRow, load_config

@@ -6,7 +6,7 @@ import pytest
 
 from nectar import orchestration
 from nectar.comparison.compose import compare_composed, composed_prompts, open_runs
-from nectar.comparison.run import CompareInputError
+from nectar.comparison.inputs import CompareInputError
 from nectar.schemas import ComparisonRow, load_config
 from nectar.tables import read_table
 

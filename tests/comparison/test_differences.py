@@ -2,7 +2,9 @@
 import numpy as np
 import pytest
 
-from nectar.comparison.run import Job, differences_markdown, differences_vs_kvpress
+from nectar.comparison.differences import differences_vs_kvpress
+from nectar.comparison.jobs import Job
+from nectar.comparison.table import differences_markdown
 from nectar.comparison.systems import resolve
 from nectar.evaluation.quality import split_quality
 from nectar.evaluation.selection import Selection
@@ -58,7 +60,7 @@ def test_without_kvpress_rows_there_is_no_difference():
 
 def test_a_refined_state_is_compared_with_the_closed_form_state_it_starts_from():
     """System.refines: kvzip_train_qa@int4 against kvzip_fit_qa@int4 at the same budget (and only there)."""
-    from nectar.comparison.run import differences_vs_start
+    from nectar.comparison.differences import differences_vs_start
 
     rng = np.random.default_rng(1)
     P = 12

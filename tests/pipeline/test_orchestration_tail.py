@@ -71,12 +71,12 @@ def test_stage_before_its_inputs_is_refused(tmp_path, document):
 
 @pytest.mark.slow
 def test_sweep_variants_share_the_parent_data_stages(tiny_ctx):
-    from nectar.comparison import sweep
+    from nectar.comparison import sweep, variants as variant_runs
 
     orchestration.run_targets(tiny_ctx)
     variants = sweep.expand_variants(tiny_ctx.config, sweep.parse_grid(["arch=mlp,quadrature"]))
     assert [v.config.train.module.arch for v in variants] == ["mlp", "quadrature"]
-    v = sweep.prepare_variant(tiny_ctx, variants[1])
+    v = variant_runs.prepare_variant(tiny_ctx, variants[1])
     reopened = orchestration.open_run(v.run.root)
     assert reopened.stage_run("targets").root == tiny_ctx.run.root
     assert orchestration.run_train(reopened).status == "done"
@@ -85,8 +85,8 @@ def test_sweep_variants_share_the_parent_data_stages(tiny_ctx):
     with pytest.raises(Exception, match="only"):
         sweep.expand_variants(tiny_ctx.config, sweep.parse_grid(["chunk.words=10,20"]))
     # The variant equal to the parent's config trains in the parent run (cached after `nectar run`).
-    assert sweep.variant_context(tiny_ctx, variants[0]).run.root == tiny_ctx.run.root
-    assert sweep.variant_context(tiny_ctx, variants[1]).run.root != tiny_ctx.run.root
+    assert variant_runs.variant_context(tiny_ctx, variants[0]).run.root == tiny_ctx.run.root
+    assert variant_runs.variant_context(tiny_ctx, variants[1]).run.root != tiny_ctx.run.root
     assert [v.name for v in sweep.with_base(tiny_ctx.config, variants)] == [v.name for v in variants]
     assert [v.name for v in sweep.with_base(tiny_ctx.config, variants[1:])] == ["base", variants[1].name]
 

@@ -127,7 +127,7 @@ def test_kvzip_init_trains_the_selected_state_and_saves_only_its_real_pairs(tiny
     from nectar.attention.exact import ExactDocState
     from nectar.modules.provider import ModuleDocState
     from nectar.schemas.config import ProbesConfig, ReconConfig
-    from nectar.stages.recon import make_recon
+    from nectar.queries.recon import make_recon
 
     url, layout, kv, sha = targets
     spans = [(s.instruction, s.response)
@@ -156,7 +156,7 @@ def test_kvzip_int4_state_without_refinement_is_the_quantized_fit_saved_as_codes
     from nectar.layout import build_layout
     from nectar.modules.builder import plan_from_config
     from nectar.schemas.config import ProbesConfig, ReconConfig
-    from nectar.stages.recon import make_recon
+    from nectar.queries.recon import make_recon
 
     url, layout, kv, sha = targets
     spans = [(s.instruction, s.response)
@@ -185,7 +185,7 @@ def test_kvzip_int4_state_refined_as_stored_keeps_its_grid_and_moves_off_the_fit
     differs from it after the steps."""
     from nectar.quantization import fake_quantize
     from nectar.schemas.config import ProbesConfig, ReconConfig
-    from nectar.stages.recon import make_recon
+    from nectar.queries.recon import make_recon
 
     url, layout, kv, sha = targets
     spans = [(s.instruction, s.response)

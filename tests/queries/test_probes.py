@@ -5,7 +5,7 @@ import re
 import pytest
 
 from nectar.schemas.config import ProbesConfig
-from nectar.stages.probes import (CONTINUE, held_out_units, make_probes, probe_dataset_rows,
+from nectar.queries.probes import (CONTINUE, held_out_units, make_probes, probe_dataset_rows,
                                   split_units)
 
 TEXT = """Resolution of names

@@ -14,8 +14,8 @@ from nectar.evaluation.selection import Selection, split_pools, with_subset  # n
 from nectar.layout import build_layout  # noqa: E402
 from nectar.schemas.artifacts import SPLIT_CODES, TargetsPairRow  # noqa: E402
 from nectar.schemas.config import EvaluateConfig, ProbesConfig, ReconConfig, TargetsConfig  # noqa: E402
-from nectar.stages.probes import split_units  # noqa: E402
-from nectar.stages.recon import make_recon, recon_dataset_rows, withheld_units  # noqa: E402
+from nectar.queries.probes import split_units  # noqa: E402
+from nectar.queries.recon import make_recon, recon_dataset_rows, withheld_units  # noqa: E402
 from nectar.stages.targets import build_targets  # noqa: E402
 from nectar.tables import read_table  # noqa: E402
 from nectar.targets.store import open_targets  # noqa: E402

@@ -12,9 +12,9 @@ from typing import Callable, Sequence, TypeVar
 
 import fsspec
 
-from ..llm import ChatBackend, ChatRequest, ChatResult, Progress
-from ..schemas.base import Artifact
-from ..tables import read_table, write_table
+from .llm import ChatBackend, ChatRequest, ChatResult, Progress
+from .schemas.base import Artifact
+from .tables import read_table, write_table
 
 R = TypeVar("R", bound=Artifact)
 KEY_FILE = "key.txt"

@@ -1,0 +1,114 @@
+"""Each job's state: the reference providers, a trained module, the run's own first or refined state, or a
+closed-form method fitted here (kvpress presses are scored in their own venv, kvpress_rows.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ..attention.exact import ExactDocState
+from ..baselines import FitInputs, get_baseline
+from ..layout import build_layout
+from ..orchestration.context import RunContext
+from ..queries.recon import make_recon
+from .inputs import CompareInputError
+from .jobs import Job, baseline_plan
+from .systems import RUN_STATES, System
+
+
+@dataclass
+class Obtained:
+    provider: Any
+    state_bytes: int
+    seconds: float | None  # training (from its manifest), fitting or press time
+    arch: str | None
+    source: str
+    state_seconds: float | None = None  # document → usable state (see ComparisonRow.state_seconds)
+    document_only: bool = False  # a baseline that needs no captured query: its time is prefill + fit
+
+
+def obtain(job: Job, ctx: RunContext, base, doc_kv, dims: dict[str, Any]) -> Obtained:
+    """The provider of one job and the bytes it stores."""
+    s = job.system
+    if s.name == "none":
+        return Obtained(None, 0, None, None, "no document")
+    if s.name == "full":
+        return Obtained(ExactDocState(doc_kv), doc_kv.nbytes(), None, None, "document KV cache")
+    if s.kind == "kvpress":
+        return Obtained(None, 0, None, s.press, "kvpress")  # scored in kvpress's venv (score_kvpress)
+    if s.kind == "trained":
+        from ..modules.io import load_module
+        from ..modules.provider import ModuleDocState
+
+        manifest = job.ctx.run.read_manifest("train")
+        if manifest is None:
+            raise CompareInputError(f"{job.key}: its train stage in {job.ctx.run.root} has not completed")
+        module, spec = load_module(job.ctx.run.url("train"), base, ctx.info.sha256, device=base.device)
+        return Obtained(ModuleDocState(module), spec.module_bytes, manifest.duration_s, spec.arch, job.ctx.run.root)
+    if s.kind == "run":
+        return _run_state(job, ctx, base)
+    baseline = get_baseline(s.baseline)
+    t0 = time.perf_counter()
+    inputs = FitInputs(doc_kv, ctx.stage_run("targets").url("targets"), seed=ctx.config.train.seed, bits=s.bits)
+    if baseline.reads_document:
+        inputs = _with_document(inputs, s, ctx, base)
+    provider = baseline.fit(baseline_plan(ctx, job.rho, dims), inputs)
+    seconds = time.perf_counter() - t0
+    return Obtained(provider, int(provider.nbytes), seconds, s.baseline, f"fit_baseline({s.baseline!r})",
+                    document_only=baseline.reads_document and not _uses_train_queries(inputs.select))
+
+
+def _uses_train_queries(select) -> bool:
+    """Whether a kvzip state ranks or fits on the targets' train queries (else: the document alone)."""
+    return select is not None and (select.score_queries == "recon+train"
+                                   or (select.fit and select.fit_queries == "recon+train"))
+
+
+def _run_state(job: Job, ctx: RunContext, base) -> Obtained:
+    """The run's first or refined state as its stage wrote it, with the seconds the run took to it."""
+    from ..modules.io import load_module
+    from ..modules.provider import ModuleDocState
+    from ..orchestration.live import FIRST_PATH, REFINED_PATH, live_stage, seconds_to
+
+    stage = RUN_STATES[job.system.name][0]
+    manifest = ctx.run.read_manifest(stage)
+    if manifest is None:
+        raise CompareInputError(f"{job.key}: the {stage} stage in {ctx.run.root} has not completed")
+    module, spec = load_module(ctx.run.url(stage), base, ctx.info.sha256, device=base.device)
+    path = FIRST_PATH if stage == "first" else REFINED_PATH
+    seconds = seconds_to(ctx.run, path)
+    if seconds is None and stage == "train":  # no promote yet: the stages up to train
+        seconds = seconds_to(ctx.run, path[:-1])
+    if stage == "first":  # timed again here, beside the presses of this compare (the same load)
+        seconds = refit_first_seconds(ctx, base) + (seconds_to(ctx.run, ("chunk",)) or 0.0)
+    live = " (live)" if live_stage(ctx.run) == stage else ""
+    return Obtained(ModuleDocState(module), spec.module_bytes, manifest.duration_s, spec.arch,
+                    f"{ctx.run.url(stage)}{live}", state_seconds=seconds)
+
+
+def refit_first_seconds(ctx: RunContext, base) -> float:
+    """Seconds the first stage's work takes now (prefill, reconstruction, selection, fit, write into a
+    scratch folder): the run's manifest timed it under whatever load that minute had; a compare times
+    it again beside kvpress's press, so the ``state_seconds`` of the two are measured side by side."""
+    import tempfile
+
+    from ..stages.first import first_state
+
+    cfg = ctx.config
+    with tempfile.TemporaryDirectory() as scratch:
+        t0 = time.perf_counter()
+        first_state(base, ctx.text, cfg.first, cfg.train.module, cfg.targets.recon, cfg.targets.probes,
+                    ctx.info.sha256, scratch)
+        return time.perf_counter() - t0
+
+
+def _with_document(inputs: FitInputs, s: System, ctx: RunContext, base) -> FitInputs:
+    """A baseline that reads the document (kvzip): the model, the layout, the reconstruction spans and
+    the run's selection settings with the system's switches (SelectionConfig)."""
+    select = ctx.config.train.module.select.model_copy(update=s.options)
+    tcfg = ctx.config.targets
+    spans = tuple((r.instruction, r.response) for r in make_recon(ctx.text, tcfg.recon, tcfg.probes))
+    return dataclasses.replace(inputs, base=base, layout=build_layout(base.tokenizer, ctx.text), document=ctx.text,
+                               spans=spans, select=select)
