@@ -21,7 +21,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
-from .vllm_server import WARM_STAMP, ServerSpec, VLLMServer, cache_entries, compile_cache_dir
+from .server import WARM_STAMP, ServerSpec, VLLMServer, cache_entries, compile_cache_dir
 
 _FILLER = ("The committee met on the third day to review the harbour accounts, the lamp oil ledgers and "
            "the keepers' rotas, and it recorded every decision in the minute book. ")
