@@ -1,5 +1,5 @@
-"""The serving engines ``nectar serve --engine NAME`` chooses from, by name (docs/architecture.md,
-"Adding a serving engine").
+"""The serving engines ``nectar serve --engine NAME`` chooses from, by name (docs/architecture.md
+§adding-a-serving-engine).
 
 interface.py    what an engine is: ``ServingEngine`` (name, help, ``serve(run_dirs, opts, log)``),
                 ``ServeOptions`` (the command's options), ``EngineError`` (one line, exit 1)
