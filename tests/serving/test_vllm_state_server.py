@@ -91,3 +91,15 @@ def test_the_key_the_checkout_and_the_binding_reach_the_process(tmp_path, monkey
         import os
 
         os.killpg(pid, 0)  # the whole group is gone
+
+
+def test_the_warm_up_stamp_names_the_pipeline_server_as_it_did():
+    """A compile-cache warm-up stamped before the two specs became one still matches its server."""
+    from nectar.vllm.server import ServerSpec
+    from nectar.vllm.warmup import _spec_key
+
+    assert _spec_key(ServerSpec(model="/m", compile=True, port=8001)) == {
+        "model": "/m", "served_name": "nectar", "dtype": "bfloat16", "max_model_len": 8192, "kv_cache_gib": 2.0,
+        "seed": 0, "max_num_seqs": 64, "compile": True, "execute_timeout_s": 1800}
+    keyed = state_server_spec("/m", DOCS, 2, served_name="x", api_keys=("sk-secret",))
+    assert "sk-secret" not in repr(_spec_key(keyed))
