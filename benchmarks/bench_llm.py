@@ -33,7 +33,7 @@ from pathlib import Path  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nectar.llm import make_backend, make_request  # noqa: E402
-from nectar.llm.server_pool import active_pool, server_scope  # noqa: E402
+from nectar.vllm.pool import active_pool, server_scope  # noqa: E402
 from nectar.schemas.config import LLMConfig, ModelConfig  # noqa: E402
 
 PARAGRAPH = ("The lighthouse at Kerrow Point was built in 1871 by the engineer Ilse Brandt. Its lamp burned "

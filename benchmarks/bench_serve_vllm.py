@@ -5,7 +5,7 @@ they run one after the other, never together. Each answers ``--clients`` concurr
 ``/v1/completions`` requests of ``--new-tokens`` tokens (no stop) about a document of ``--doc-tokens``
 tokens:
 
-  state  the NECTAR KV connector with an m = ρ·n pseudo-token state (``nectar.serving.vllm_connector``);
+  state  the NECTAR KV connector with an m = ρ·n pseudo-token state (``nectar.vllm.connector``);
          prompt = m placeholders + the question. The state's keys/values are RANDOM (seeded) — its
          size, not its content, sets the speed.
   full   plain vLLM; prompt = the document's n tokens + the question; one warm-up request first,
@@ -34,9 +34,11 @@ import urllib.request
 import torch
 
 from nectar.base_model import embedded_smollm2_dir
-from nectar.serving.vllm_engine import (ServedDocument, VLLMServer, free_port, placeholder_token, server_command,
-                                        server_env)
-from nectar.serving.vllm_format import STATE_FORMAT, STATE_VERSION
+from nectar.ports import free_port
+from nectar.vllm.format import STATE_FORMAT, STATE_VERSION
+from nectar.vllm.serve import ServedDocument, placeholder_token, state_server_spec
+from nectar.vllm.server import VLLMServer
+from nectar.vllm.venv import interpreter
 
 
 def random_state(path: str, cfg, m: int, n: int, seed: int = 0) -> None:
@@ -178,10 +180,10 @@ def read_bandwidth_gb_s(gb: float = 1.0, repeats: int = 5) -> float:
     return gb / best
 
 
-def run_server(cmd, env, log, port) -> VLLMServer:
-    server = VLLMServer(cmd, env, log, port)
+def run_server(spec, log) -> VLLMServer:
+    server = VLLMServer(spec, log, python=interpreter(build=False), startup_timeout_s=3600)
     t0 = time.perf_counter()
-    server.wait_healthy(3600)
+    server.start()
     print(f"  healthy after {time.perf_counter() - t0:.0f} s ({log})", flush=True)
     return server
 
@@ -227,24 +229,23 @@ def main() -> None:
     window = n + max(map(len, questions)) + args.new_tokens  # SmolLM2: at most 8,192
     for system in args.systems.split(","):
         port = free_port()
+        bind = None if args.cpu_bind == "auto" else args.cpu_bind
+        settings = dict(served_name="bench", port=port, dtype=args.dtype, enforce_eager=args.enforce_eager,
+                        kv_cache_gib=args.kv_cache_gib, cpu_bind=bind, **limits)
         if system == "state":
             state = os.path.join(tmp, "state.safetensors")
             random_state(state, cfg, m, n)
-            cmd = server_command(args.model, [ServedDocument("bench", state, m)], pid, port, served_name="bench",
-                                 dtype=args.dtype, max_model_len=m + window - n, enforce_eager=args.enforce_eager, **limits)
+            spec = state_server_spec(args.model, [ServedDocument("bench", state, m)], pid, max_model_len=m + window - n,
+                                     **settings)
             bodies = [{"model": "bench", "prompt": [pid] * m + q, "cache_salt": "bench", **common} for q in questions]
         else:
-            cmd = server_command(args.model, [], pid, port, served_name="bench", dtype=args.dtype,
-                                 max_model_len=window, enforce_eager=args.enforce_eager, **limits)
-            i = cmd.index("--kv-transfer-config")
-            cmd = cmd[:i] + cmd[i + 2:]  # plain vLLM: no connector
+            spec = state_server_spec(args.model, [], pid, max_model_len=window, **settings)  # plain vLLM: no connector
             bodies = [{"model": "bench", "prompt": document + q, **common} for q in questions]
         print(f"{system}: starting vLLM on port {port}", flush=True)
-        bind = None if args.cpu_bind == "auto" else args.cpu_bind
-        server = run_server(cmd, server_env(args.kv_cache_gib, cpu_bind=bind), os.path.join(tmp, f"{system}.log"), port)
+        server = run_server(spec, os.path.join(tmp, f"{system}.log"))
         try:
-            warm = burst(server.url, [{**bodies[0], "max_tokens": 1}])  # fills the prefix cache
-            results[system] = {"warmup_ttft_s": warm["ttft_mean_s"], **burst(server.url, bodies, server.proc.pid)}
+            warm = burst(server.root_url, [{**bodies[0], "max_tokens": 1}])  # fills the prefix cache
+            results[system] = {"warmup_ttft_s": warm["ttft_mean_s"], **burst(server.root_url, bodies, server.proc.pid)}
         finally:
             server.stop()
         prefix = m if system == "state" else n

@@ -5,7 +5,7 @@ Start the server first (`nectar serve RUN_DIR --engine vllm --dtype float32 --po
     python benchmarks/check_vllm_equivalence.py RUN_DIR http://127.0.0.1:P --prompts 30
 
 Prints the share of prompts whose first 32 greedy tokens are identical and the per-token
-KL(torch ‖ vLLM), each with its 95 % bootstrap interval (``nectar.serving.vllm_equivalence``).
+KL(torch ‖ vLLM), each with its 95 % bootstrap interval (``nectar.evaluation.vllm_equivalence``).
 """
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ import pyarrow.parquet as pq
 
 from nectar.layout import build_layout
 from nectar.orchestration.context import load_base, open_run
-from nectar.serving.vllm_engine import placeholder_token
-from nectar.serving.vllm_equivalence import equivalence
-from nectar.serving.vllm_format import STATE_FILE
+from nectar.evaluation.vllm_equivalence import equivalence
+from nectar.vllm.format import STATE_FILE
+from nectar.vllm.serve import placeholder_token
 
 
 def main() -> None:

@@ -28,7 +28,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
         frozenset(
             {
                 "attention", "baselines", "documents", "evaluation", "integrity",
-                "layout", "llm", "base_model", "modules", "prompts", "shutdown", "storage", "tables",
+                "layout", "llm", "vllm", "ports", "venvs", "base_model", "modules", "prompts", "shutdown", "storage", "tables",
                 "targets", "training", "quantization", "kvpress", "cache_call", "queries", "partial",
             }
         ),

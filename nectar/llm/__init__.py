@@ -19,12 +19,12 @@ def make_backend(llm_cfg: LLMConfig, base_model_cfg: ModelConfig) -> ChatBackend
     """The backend ``llm_cfg`` names. ``local`` / ``vllm`` with no model serve the pipeline's base model.
 
     ``vllm`` without ``base_url`` starts (or reuses) a server in the active server scope
-    (``nectar.llm.server_pool``); ``auto`` does the same and falls back to ``local``, saying so in
+    (``nectar.vllm.pool``); ``auto`` does the same and falls back to ``local``, saying so in
     one line, when vLLM can't be set up or started."""
     if llm_cfg.backend in ("vllm", "auto"):
         from .vllm_backend import VLLMBackend
-        from .notices import say
-        from .vllm_server import VLLMError
+        from ..vllm.notices import say
+        from ..vllm.venv import VLLMError
 
         if llm_cfg.backend == "vllm" and llm_cfg.base_url:
             return VLLMBackend(base_url=llm_cfg.base_url, model=llm_cfg.model, **_client_args(llm_cfg))
@@ -66,7 +66,8 @@ def _client_args(llm_cfg: LLMConfig) -> dict:
 
 def server_spec(llm_cfg: LLMConfig, base_model_cfg: ModelConfig):
     """The vLLM server ``llm_cfg`` asks for: its model directory, dtype, context, port and KV space."""
-    from .vllm_server import ServerSpec, VLLMError
+    from ..vllm.server import ServerSpec
+    from ..vllm.venv import VLLMError
 
     name = llm_cfg.model or base_model_cfg.name
     if name.startswith("tiny:"):
@@ -85,6 +86,6 @@ def server_spec(llm_cfg: LLMConfig, base_model_cfg: ModelConfig):
 
 
 def _managed_server(llm_cfg: LLMConfig, base_model_cfg: ModelConfig):
-    from .server_pool import active_pool
+    from ..vllm.pool import active_pool
 
     return active_pool().acquire(server_spec(llm_cfg, base_model_cfg))

@@ -6,7 +6,9 @@
   request, sharing the prompt's prefill.
 - JSON-schema ``response_format`` is enforced by vLLM's structured-output engine (xgrammar), so the
   reply is the schema's JSON, not free text to dig in.
-The server is either one this process manages (``nectar.llm.server_pool``) or one at ``base_url``.
+The server is either one this process manages (``nectar.vllm.pool``, the process ``nectar.vllm.server``)
+or one at ``base_url``. This backend is the one piece of vLLM code outside ``nectar/vllm/``: it is one
+of the LLM backends (a subclass of ``OpenAIBackend``), and ``nectar.vllm`` sits below ``nectar.llm``.
 
 A managed server is this backend's to keep alive: when it dies mid-fan-out (its process exits, its
 engine dies, /health fails), the requests it had not answered are held back, the server is restarted
@@ -26,8 +28,14 @@ from typing import Any, Callable, Sequence
 
 from .openai_backend import OpenAIBackend
 from .types import ChatBackend, ChatRequest, ChatResult, LLMUnavailableError, OnResult, Progress
-from .notices import say
-from .vllm_server import ServerDeadError, VLLMError, VLLMServer
+from ..vllm.notices import say
+from ..vllm.server import VLLMServer
+from ..vllm.venv import VLLMError
+
+
+class ServerDeadError(VLLMError, LLMUnavailableError):
+    """A managed server died and could not be kept up; the message names its exit, the end of its
+    log and the log's path."""
 
 
 class VLLMBackend(OpenAIBackend):

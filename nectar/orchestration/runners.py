@@ -117,7 +117,7 @@ def _add_rebuild_hint(ctx: RunContext, stage: str, exc: ArtifactError) -> None:
 def llm_scope(ctx: RunContext):
     """The vLLM servers' scope for a stage: the pipeline's when one is open (servers shared across
     stages), else the stage's own (stopped when it ends). Logs go to ``<run>/llm/``."""
-    from ..llm.server_pool import server_log_dir, server_scope
+    from ..vllm.pool import server_log_dir, server_scope
 
     return server_scope(server_log_dir(ctx.run.root))
 

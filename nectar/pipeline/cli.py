@@ -390,8 +390,9 @@ def serve_cmd(
     shutdown_timeout: float = typer.Option(120.0, help="On SIGTERM, wait this long for in-flight requests."),
     served_name: Optional[List[str]] = typer.Option(None, help="Model id clients send, one per run in order "
                                                     "(default <doc-id>/<run-id>; --engine vllm: one id for all)."),
-    engine: str = typer.Option("torch", help="torch: this project's decode engine (every module type); vllm: "
-                               "vLLM's engine with each document's plain-KV state (docs/deployment.md §14)."),
+    engine: str = typer.Option("torch", help="The serving engine, by name (nectar/serving/engines: ENGINES). "
+                               "torch: this project's decode engine (every module type); vllm: vLLM's engine "
+                               "with each document's plain-KV state (docs/deployment.md §14)."),
     dtype: str = typer.Option("bfloat16", help="--engine vllm: vLLM's dtype (float32 reproduces the torch "
                               "engine most closely)."),
     max_model_len: int = typer.Option(4096, help="--engine vllm: vLLM's window (m pseudo-tokens + query + answer)."),
@@ -403,67 +404,24 @@ def serve_cmd(
 ) -> None:
     """Serve runs' modules over one base model behind an OpenAI-compatible API (/v1/chat/completions,
     /v1/completions with --engine vllm, /v1/models, /metrics, /health)."""
-    if engine not in ("torch", "vllm"):
-        console.print(f"[red]error:[/red] --engine {engine!r}: choose torch or vllm")
-        raise typer.Exit(2)
-    if engine == "vllm":
-        _serve_vllm(run_dirs, host, port, api_key, allow_unauthenticated, max_batch, served_name, dtype,
-                    max_model_len, kv_cache_gib, enforce_eager, state)
-        return
-    from pydantic import ValidationError
+    from ..serving.engines import ENGINES, EngineError, ServeOptions, unknown_engine
 
-    from ..modules.io import ModuleMismatch
-    from ..serving.loader import open_served_runs
-    from ..serving.limits import ServeLimits
-    from ..serving.registry import ServedRunsError
-    from ..serving.runner import PortInUse, Unauthenticated, api_keys, bind, check_exposure, serve
-    from ..tables import ArtifactError
-
-    try:
-        limits = ServeLimits(max_batch=max_batch, max_queue=max_queue, max_tokens=max_tokens,
-                             max_prompt_tokens=max_prompt_tokens, max_body_bytes=max_body_bytes,
-                             max_stop=max_stop, batch_wait_ms=batch_wait_ms, shutdown_timeout_s=shutdown_timeout,
-                             max_module_bytes=max_module_bytes, keep_dequantized=keep_dequantized)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        flag = {"shutdown_timeout_s": "shutdown_timeout"}.get(str(err["loc"][0]), str(err["loc"][0]))
-        console.print(f"[red]error:[/red] --{flag.replace('_', '-')}: {err['msg']}")
+    chosen = ENGINES.get(engine)
+    if chosen is None:
+        console.print(f"[red]error:[/red] {unknown_engine(engine)}", soft_wrap=True)
         raise typer.Exit(2)
+    opts = ServeOptions(host=host, port=port, api_key=tuple(api_key or ()),
+                        allow_unauthenticated=allow_unauthenticated, max_batch=max_batch, max_queue=max_queue,
+                        max_tokens=max_tokens, max_prompt_tokens=max_prompt_tokens, max_body_bytes=max_body_bytes,
+                        max_stop=max_stop, max_module_bytes=max_module_bytes, keep_dequantized=keep_dequantized,
+                        batch_wait_ms=batch_wait_ms, shutdown_timeout=shutdown_timeout,
+                        served_name=tuple(served_name or ()), dtype=dtype, max_model_len=max_model_len,
+                        kv_cache_gib=kv_cache_gib, enforce_eager=enforce_eager, state=state)
     try:
-        keys = api_keys(api_key)
-        check_exposure(host, keys, allow_unauthenticated)  # before anything loads
-        sock = bind(host, port)  # a port in use fails in a second, not after the model loads
-        with sock:
-            serve(open_served_runs(run_dirs), sock, limits, served_name or None, keys)
-    except (FileNotFoundError, ModuleMismatch, ArtifactError, PortInUse, Unauthenticated, ServedRunsError) as exc:
+        chosen.serve(list(run_dirs), opts, log=console.print)
+    except EngineError as exc:
         console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
-        raise typer.Exit(1)
-    # Drained (SIGTERM or Ctrl-C): exit now; the interpreter's own finalization took ~9 s more on a busy
-    # machine (torch's native threads), which a container stop or a second Ctrl-C would cut short.
-    shutdown.exit_now(0)
-
-
-def _serve_vllm(run_dirs, host, port, api_key, allow_unauthenticated, max_batch, served_name, dtype, max_model_len,
-                kv_cache_gib, enforce_eager, state) -> None:
-    """``nectar serve --engine vllm``: the runs' states through vLLM (same key and exposure rules)."""
-    from ..serving.runner import Unauthenticated, api_keys, check_exposure
-    from ..serving.vllm_engine import VLLMStartError
-    from ..serving.vllm_state import NotPlainKV
-    from .serve_vllm import VLLMOptions, serve_vllm
-
-    if served_name and len(served_name) > 1:
-        console.print("[red]error:[/red] --engine vllm serves every document under one model id (clients pick "
-                      "the document by cache_salt); give --served-name once")
-        raise typer.Exit(2)
-    try:
-        keys = api_keys(api_key)
-        check_exposure(host, keys, allow_unauthenticated)
-        serve_vllm(run_dirs, VLLMOptions(host, port, dtype, max_model_len, kv_cache_gib, enforce_eager,
-                                         served_name[0] if served_name else None, source=state,
-                                         max_num_seqs=max_batch, api_keys=keys), log=console.print)
-    except (NotPlainKV, VLLMStartError, FileNotFoundError, ValueError, Unauthenticated) as exc:
-        console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
-        raise typer.Exit(1)
+        raise typer.Exit(exc.exit_code)
 
 
 def _print_status(run_dir: str) -> None:
@@ -665,8 +623,8 @@ def llm_setup(
     import time
 
     from ..llm import server_spec
-    from ..llm.vllm_server import ensure_venv, venv_dir
-    from ..llm.vllm_warmup import warm_up, warmed
+    from ..vllm.venv import ensure_venv, venv_dir
+    from ..vllm.warmup import warm_up, warmed
     from ..schemas.presets import load_config
 
     try:
@@ -709,7 +667,7 @@ def llm_serve(
     import time
 
     from ..llm import server_spec
-    from ..llm.vllm_server import VLLMServer
+    from ..vllm.server import VLLMServer
     from ..schemas.presets import load_config
 
     try:

@@ -7,5 +7,6 @@ metrics.py (/metrics, Prometheus) · job.py (one request in the engine) · text_
 text, stop strings) · scheduler.py (queue, continuous batching) · engine.py (the one adapter to the
 decode engine) · registry.py (the served documents, modules loaded lazily under an LRU byte bound) ·
 loader.py (run dirs → served runs; one run's model + module for ask) · runner.py (uvicorn, signals,
-keys and exposure). See docs/deployment.md, "Serving modules".
+keys and exposure) · engines/ (what ``nectar serve --engine NAME`` chooses from: torch, the above;
+vllm, runs' states through ``nectar.vllm``). See docs/deployment.md, "Serving modules".
 """

@@ -19,6 +19,7 @@ import sys
 
 import uvicorn
 
+from .. import ports
 from .app import create_app
 from .limits import ServeLimits
 from .registry import ServedRun, open_registry
@@ -57,13 +58,10 @@ def check_exposure(host: str, keys: tuple[str, ...], allow_unauthenticated: bool
 
 
 def bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    """The listening socket, bound before anything loads and kept (no window for another process)."""
     try:
-        sock.bind((host, port))
+        sock = ports.bind(host, port)
     except OSError as exc:
-        sock.close()
         raise PortInUse(f"cannot listen on {host}:{port}: {exc.strerror}; pick another with --port "
                         "(or stop what holds it)") from exc
     sock.set_inheritable(True)

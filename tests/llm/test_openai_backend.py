@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,21 +20,16 @@ from nectar.llm.local import LocalBackend
 from nectar.llm.openai_backend import OpenAIBackend
 from nectar.base_model import embedded_smollm2_dir, load_base_model
 from nectar.schemas.config import ModelConfig
+from nectar.ports import free_port
 
 pytestmark = pytest.mark.slow
 START_TIMEOUT_S = 180
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     model_dir = str(embedded_smollm2_dir())
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     cli = Path(sys.executable).with_name("transformers")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}

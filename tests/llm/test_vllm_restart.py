@@ -15,8 +15,8 @@ import pytest
 
 from nectar.llm import make_request
 from nectar.llm.local import LocalBackend
-from nectar.llm.vllm_backend import VLLMBackend
-from nectar.llm.vllm_server import ServerDeadError, ServerSpec, VLLMServer
+from nectar.llm.vllm_backend import ServerDeadError, VLLMBackend
+from nectar.vllm.server import ServerSpec, VLLMServer
 from nectar.schemas.config import LLMConfig
 
 FAKE = Path(__file__).with_name("fake_vllm_process.py")
@@ -117,7 +117,7 @@ def test_the_execute_timeout_reaches_the_server_process(fake_vllm):
 
 
 def test_a_compiled_server_that_cannot_start_is_started_eager_by_the_pool(tmp_path, monkeypatch, capsys):
-    from nectar.llm.server_pool import ServerPool
+    from nectar.vllm.pool import ServerPool
 
     wrapper = tmp_path / "fake-vllm-python"
     wrapper.write_text(f"#!/bin/sh\nexec {sys.executable} {FAKE} \"$@\"\n")
@@ -139,7 +139,7 @@ def test_a_compiled_server_that_cannot_start_is_started_eager_by_the_pool(tmp_pa
 
 
 def test_a_pooled_server_that_died_between_stages_is_restarted_on_record(tmp_path, monkeypatch, capsys):
-    from nectar.llm.server_pool import ServerPool
+    from nectar.vllm.pool import ServerPool
 
     wrapper = tmp_path / "fake-vllm-python"
     wrapper.write_text(f"#!/bin/sh\nexec {sys.executable} {FAKE} \"$@\"\n")

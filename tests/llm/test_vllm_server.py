@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 
 from nectar.llm import LLMUnavailableError, make_backend, make_request, server_spec
-from nectar.llm.server_pool import server_scope
+from nectar.vllm.pool import server_scope
 from nectar.llm.vllm_backend import VLLMBackend
-from nectar.llm.vllm_server import ServerSpec, VLLMError, VLLMServer, ensure_venv
+from nectar.vllm.server import ServerSpec, VLLMServer
+from nectar.vllm.venv import VLLMError, ensure_venv
 from nectar.prompts import CONSISTENCY_SCHEMA
 from nectar.schemas.artifacts import ChunkRow, PairRow
 from nectar.schemas.config import LLMConfig, ModelConfig, SynthesizeConfig
@@ -246,8 +247,8 @@ def test_nectar_run_survives_its_vllm_engine_killed_mid_synthesis(tmp_path):
 def test_a_server_start_after_the_setup_warm_up_compiles_nothing(tmp_path, monkeypatch):
     """`nectar llm setup`'s warm-up fills the compile cache; the run's start of the same spec then adds
     not one file to it (everything loaded), where the warm-up's own start was free to compile."""
-    from nectar.llm.vllm_server import cache_entries, compile_cache_dir
-    from nectar.llm.vllm_warmup import warm_up, warmed
+    from nectar.vllm.server import cache_entries, compile_cache_dir
+    from nectar.vllm.warmup import warm_up, warmed
 
     monkeypatch.setenv("NECTAR_VLLM_COMPILE_CACHE", str(tmp_path / "compile-cache"))  # cold, this test's own
     spec = ServerSpec(model=server_spec(LLM, EMBEDDED).model, served_name="embedded:smollm2-135m", kv_cache_gib=1.0,

@@ -168,6 +168,13 @@ def test_signals_and_a_dying_server_stop_the_run_and_it_resumes(run_copy, comple
         {s: ref[s] for s in ("chunk", "synthesize", "targets", "train")}
     print("stop times (s):", {k: round(v, 2) for k, v in times.items()})
     if got["evaluate"]["metrics.parquet"] != ref["evaluate"]["metrics.parquet"]:
+        import pyarrow.parquet as pq
+
+        a = pq.read_table(Path(run_copy) / "evaluate" / "metrics.parquet").to_pylist()
+        b = pq.read_table(Path(complete_run) / "evaluate" / "metrics.parquet").to_pylist()
+        diff = [(i, k, ra.get(k), rb.get(k)) for i, (ra, rb) in enumerate(zip(a, b)) for k in ra if ra.get(k) != rb.get(k)]
+        Path("/tmp/s45/sig/metrics_diff.txt").write_text(repr((len(a), len(b), diff)))
+        print("metrics differ:", len(a), len(b), diff[:40])
         # KNOWN, OPEN: since the first/promote stages and the evidence verifier joined the DAG
         # (2026-11-27), the resumed run's evaluate metrics differ from the uninterrupted run's; found at
         # the deadline, cause not yet found (the stop note says so). Everything above still holds.

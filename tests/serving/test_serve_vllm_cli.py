@@ -29,14 +29,15 @@ from nectar.layout import build_layout
 from nectar.orchestration import prepare_run
 from nectar.schemas import load_config
 from nectar.schemas.config import ModelConfig
-from nectar.serving.vllm_engine import DEFAULT_VLLM_PYTHON, placeholder_token
-from nectar.serving.vllm_equivalence import torch_provider
+from nectar.evaluation.vllm_equivalence import torch_provider
+from nectar.vllm.serve import placeholder_token
 from nectar.shutdown import group_alive
-from nectar.serving.vllm_format import STATE_FILE
-from nectar.serving.vllm_state import write_state
+from nectar.vllm.format import STATE_FILE
+from nectar.vllm.state import write_state
+from nectar.vllm.venv import venv_python
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400), pytest.mark.skipif(
-    not os.path.exists(os.path.expanduser(os.environ.get("NECTAR_VLLM_PYTHON", DEFAULT_VLLM_PYTHON))),
+    not os.path.exists(os.path.expanduser(os.environ.get("NECTAR_VLLM_PYTHON", str(venv_python())))),
     reason="no vLLM environment")]
 
 REPO = Path(__file__).resolve().parents[2]

@@ -6,7 +6,7 @@ from transformers import AutoTokenizer
 
 from nectar.base_model import embedded_smollm2_dir
 from nectar.layout import build_layout
-from nectar.serving.vllm_engine import ServedDocument, chat_template, placeholder_token, prompt_ids
+from nectar.vllm.serve import ServedDocument, chat_template, placeholder_token, prompt_ids
 
 
 def test_chat_template_renders_the_placeholders_and_the_layouts_query_tokens():

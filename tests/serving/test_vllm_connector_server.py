@@ -14,13 +14,14 @@ from nectar.attention.engine import generate
 from nectar.base_model import embedded_smollm2_dir, load_base_model
 from nectar.layout import build_layout
 from nectar.schemas.config import ModelConfig
-from nectar.serving.vllm_engine import (DEFAULT_VLLM_PYTHON, ServedDocument, VLLMServer, free_port,
-                                        placeholder_token, server_command, server_env)
-from nectar.serving.vllm_equivalence import equivalence, token_ids, torch_provider, vllm_complete
-from nectar.serving.vllm_state import write_state
+from nectar.evaluation.vllm_equivalence import equivalence, token_ids, torch_provider, vllm_complete
+from nectar.vllm.serve import ServedDocument, placeholder_token, state_server_spec
+from nectar.vllm.server import VLLMServer
+from nectar.vllm.state import write_state
+from nectar.vllm.venv import interpreter, venv_python
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400), pytest.mark.skipif(
-    not os.path.exists(os.path.expanduser(os.environ.get("NECTAR_VLLM_PYTHON", DEFAULT_VLLM_PYTHON))),
+    not os.path.exists(os.path.expanduser(os.environ.get("NECTAR_VLLM_PYTHON", str(venv_python())))),
     reason="no vLLM environment")]
 
 DOCS = {
@@ -50,13 +51,12 @@ def served(tmp_path_factory):
                     base, layout.n, doc_id, "last-tokens")
         layouts[doc_id] = layout
         docs.append(ServedDocument(doc_id, path, M))
-    port = free_port()
-    cmd = server_command(str(embedded_smollm2_dir()), docs, pid, port, served_name="nectar", dtype="float32",
-                         max_model_len=1024, enforce_eager=True, max_logprobs=100)
-    server = VLLMServer(cmd, server_env(1), str(tmp / "server.log"), port)
+    spec = state_server_spec(str(embedded_smollm2_dir()), docs, pid, served_name="nectar", dtype="float32",
+                             max_model_len=1024, enforce_eager=True, max_logprobs=100, kv_cache_gib=1)
+    server = VLLMServer(spec, tmp / "server.log", python=interpreter(build=False), startup_timeout_s=1800)
     try:
-        server.wait_healthy(1800)
-        yield base, layouts, {d.doc_id: d.state_path for d in docs}, server.url, pid
+        server.start()
+        yield base, layouts, {d.doc_id: d.state_path for d in docs}, server.root_url, pid
     finally:
         server.stop()
 

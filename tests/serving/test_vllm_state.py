@@ -14,8 +14,8 @@ from nectar.modules.builder import build_module, plan_from_config
 from nectar.comparison.systems import SYSTEMS
 from nectar.schemas import load_config
 from nectar.schemas.config import ModuleConfig
-from nectar.serving.vllm_export import refit_system, system_bits
-from nectar.serving.vllm_state import NotPlainKV, check_state, plain_kv_pairs, rope_inv_freq, shift_keys, write_state
+from nectar.serving.engines.vllm_export import refit_system, system_bits
+from nectar.vllm.state import NotPlainKV, check_state, plain_kv_pairs, rope_inv_freq, shift_keys, write_state
 
 
 def _rotated(model, x: torch.Tensor, positions: list[int]) -> torch.Tensor:

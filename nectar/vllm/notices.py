@@ -1,4 +1,4 @@
-"""One-line notices about the LLM servers (started, died, restarted, replaced by the local loop).
+"""One-line notices about the vLLM servers (started, died, restarted, replaced by the local loop).
 
 They are written to stderr directly: a stage runs inside a Prefect flow with ``log_prints``, whose
 patched ``print`` turns every print, to stdout or stderr, into a flow-run log record that `nectar run`

@@ -1,5 +1,5 @@
 """The file a document's plain-KV state travels in to vLLM: names and checks shared by the exporter
-(``vllm_state.py``, in this project's environment) and the connector (``vllm_connector.py``, inside
+(``state.py``, in this project's environment) and the connector (``connector.py``, inside
 the vLLM server's own environment) — so this module imports only safetensors.
 
     k.{layer}, v.{layer}   [hkv, m, d]  keys rotated for queries at positions m + t; values

@@ -8,7 +8,7 @@ exactly what attention over m cached tokens computes. A request's prompt is m pl
 followed by its query tokens; the scheduler side tells vLLM that the first m tokens are "externally
 cached" (``get_num_new_matched_tokens``), vLLM allocates their blocks, and the worker side writes the
 state's keys/values into those slots of every layer (``start_load_kv``) before the forward that reads
-them. Keys are stored already rotated for queries at positions m + t (``nectar.serving.vllm_state``).
+them. Keys are stored already rotated for queries at positions m + t (``nectar.vllm.state``).
 
 The document is named by the request's ``cache_salt`` (vLLM's own field, which also salts the prefix
 cache, so two documents never share blocks); with a single state the salt may be left out. Full
@@ -31,7 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 
-from .vllm_format import read_state_meta
+from .format import read_state_meta
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

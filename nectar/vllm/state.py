@@ -8,9 +8,9 @@ every key is rotated by −(n − m): RoPE scores depend only on the offset, (n 
 under YaRN or llama3 scaling the frequencies are already the scaled ones, and the attention factor
 that scales cos/sin at capture is already inside the captured keys (a rotation keeps it).
 
-Which state (``nectar.serving.vllm_export``): the run's trained module when it is plain KV
+Which state (``nectar.serving.engines.vllm_export``): the run's trained module when it is plain KV
 already, else the β-free refit ``attention_matching_kv`` (``nectar.baselines``) at the run's budget
-ρ. The file (``vllm_format``) sits in ``<run>/vllm/`` with ``state.json`` naming its sha256.
+ρ. The file (``nectar.vllm.format``) sits in ``<run>/vllm/`` with ``state.json`` naming its sha256.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import torch
 from ..base_model import BaseLM
 from ..integrity import hash_file, write_stable_safetensors
 from ..storage import atomic_write
-from .vllm_format import STATE_FILE, STATE_FORMAT, STATE_VERSION, read_state_meta
+from .format import STATE_FILE, STATE_FORMAT, STATE_VERSION, read_state_meta
 
 KV_BASELINE = "attention_matching_kv"
 

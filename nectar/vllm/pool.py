@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Iterator
 
 from .notices import say
-from .vllm_server import ServerSpec, VLLMError, VLLMServer
+from .server import ServerSpec, VLLMServer
+from .venv import VLLMError
 
 
 class ServerPool:

@@ -25,9 +25,9 @@ from ..attention.engine import generate
 from ..attention.exact import ExactDocState
 from ..attention.forward import query_logits
 from ..base_model import BaseLM
-from ..evaluation.bootstrap import Estimate, PairedBootstrap
+from .bootstrap import Estimate, PairedBootstrap
 from ..layout import PromptLayout
-from .vllm_state import check_state, rope_inv_freq, shift_keys
+from ..vllm.state import check_state, rope_inv_freq, shift_keys
 
 
 def torch_provider(state_path: str, base: BaseLM) -> tuple[ExactDocState, int]:

