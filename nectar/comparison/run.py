@@ -6,7 +6,7 @@
             the same settings (``nectar sweep``, an earlier compare), or a new variant directory
             ``RUN/sweep/<system>_rho-<ρ>/`` sharing the run's data stages (comparison/sweep.py)
   2. train  what is missing, through the train stage and its cache (a second compare trains nothing)
-  3. fit    the closed-form baselines (nectar.baselines, seconds)
+  3. fit    the baselines: state methods fitted at compare time (nectar.states, seconds)
   4. score  every provider on every held-out pair in one pass (evaluation/scoring.py: the full and
             no-document passes and the full model's continuations are shared by all systems), with
             one paired bootstrap over pairs per split; kvpress presses (``kvpress:<press>``) are
@@ -24,7 +24,6 @@ from typing import Any, Callable
 
 from ..attention.doc_kv import prefill_document
 from ..attention.exact import ExactDocState
-from ..baselines import FitInputs, get_baseline
 from ..evaluation.bootstrap import Estimate
 from ..evaluation.quality import recovered_differences
 from ..evaluation.questions import load_questions, with_questions
@@ -43,11 +42,12 @@ from ..schemas.artifacts import ComparisonRow, RunManifest, TargetsPairRow
 from ..schemas.config import PipelineConfig
 from ..schemas.presets import ConfigError
 from ..stages.recon import make_recon
+from ..states import FitInputs
 from ..storage import atomic_write
 from ..tables import ArtifactError, read_json_artifact, read_table, write_table
 from ..targets.store import open_targets, targets_zarr_url
 from .sweep import Variant, prepare_variant
-from .systems import RUN_STATES, System, resolve, run_states, trained_config
+from .systems import RUN_STATES, System, resolve, run_states, system_method, trained_config
 
 ProgressFactory = Callable[[str], Callable[[int, int], None]]
 
@@ -229,6 +229,11 @@ class Obtained:
     source: str
     state_seconds: float | None = None  # document → usable state (see ComparisonRow.state_seconds)
     document_only: bool = False  # a baseline that needs no captured query: its time is prefill + fit
+    reads: frozenset[str] = frozenset()  # a baseline: what its state method reads (StateMethod.reads)
+
+    @property
+    def reads_document(self) -> bool:
+        return "document" in self.reads
 
 
 def obtain(job: Job, ctx: RunContext, base, doc_kv, dims: dict[str, Any]) -> Obtained:
@@ -251,21 +256,15 @@ def obtain(job: Job, ctx: RunContext, base, doc_kv, dims: dict[str, Any]) -> Obt
         return Obtained(ModuleDocState(module), spec.module_bytes, manifest.duration_s, spec.arch, job.ctx.run.root)
     if s.kind == "run":
         return _run_state(job, ctx, base)
-    baseline = get_baseline(s.baseline)
+    method = system_method(s, ctx.config.train.module)
     t0 = time.perf_counter()
     inputs = FitInputs(doc_kv, ctx.stage_run("targets").url("targets"), seed=ctx.config.train.seed, bits=s.bits)
-    if baseline.reads_document:
-        inputs = _with_document(inputs, s, ctx, base)
-    provider = baseline.fit(baseline_plan(ctx, job.rho, dims), inputs)
+    if method.reads_document:
+        inputs = _with_document(inputs, ctx, base)
+    provider = method.fit(baseline_plan(ctx, job.rho, dims), inputs)
     seconds = time.perf_counter() - t0
-    return Obtained(provider, int(provider.nbytes), seconds, s.baseline, f"fit_baseline({s.baseline!r})",
-                    document_only=baseline.reads_document and not _uses_train_queries(inputs.select))
-
-
-def _uses_train_queries(select) -> bool:
-    """Whether a kvzip state ranks or fits on the targets' train queries (else: the document alone)."""
-    return select is not None and (select.score_queries == "recon+train"
-                                   or (select.fit and select.fit_queries == "recon+train"))
+    return Obtained(provider, int(provider.nbytes), seconds, s.method, f"fit_method({s.method!r})",
+                    document_only=method.reads_document and not method.reads_train_queries, reads=method.reads)
 
 
 def _run_state(job: Job, ctx: RunContext, base) -> Obtained:
@@ -306,14 +305,12 @@ def refit_first_seconds(ctx: RunContext, base) -> float:
         return time.perf_counter() - t0
 
 
-def _with_document(inputs: FitInputs, s: System, ctx: RunContext, base) -> FitInputs:
-    """A baseline that reads the document (kvzip): the model, the layout, the reconstruction spans and
-    the run's selection settings with the system's switches (SelectionConfig)."""
-    select = ctx.config.train.module.select.model_copy(update=s.options)
+def _with_document(inputs: FitInputs, ctx: RunContext, base) -> FitInputs:
+    """A method that reads the document (recon_fit): the model, the layout, the reconstruction spans."""
     tcfg = ctx.config.targets
     spans = tuple((r.instruction, r.response) for r in make_recon(ctx.text, tcfg.recon, tcfg.probes))
     return dataclasses.replace(inputs, base=base, layout=build_layout(base.tokenizer, ctx.text), document=ctx.text,
-                               spans=spans, select=select)
+                               spans=spans)
 
 
 def withheld_probe_ids(ctx: RunContext, targets_url: str) -> set[str]:
@@ -364,9 +361,9 @@ def state_seconds(job: Job, o: Obtained, data_s: float | None, prefill_s: float)
         return 0.0
     if s.name == "full":
         return prefill_s
-    if s.kind == "kvpress" or (s.kind == "baseline" and s.baseline == "truncate"):
+    if s.kind == "kvpress" or (s.kind == "baseline" and o.reads == frozenset({"doc_kv"})):
         return o.seconds  # from the document alone
-    if o.document_only and o.seconds is not None:  # kvzip on reconstruction alone: prefill, then its fit
+    if o.document_only and o.seconds is not None:  # recon_fit on reconstruction alone: prefill, then its fit
         return prefill_s + o.seconds
     if o.seconds is None or data_s is None:
         return None
@@ -440,7 +437,7 @@ def score_and_write(ctx: RunContext, jobs: list[Job], progress: ProgressFactory 
     g, _ = open_targets(targets_zarr_url(targets))
     target_rows = read_table(f"{targets}/pairs.parquet", TargetsPairRow)
     sel = select_pairs(target_rows, g["token_ids"][:], cfg, evaluated_splits(target_rows, cfg))
-    if any(j.system.baseline == "kvzip" for j in jobs):  # what reconstruction saw vs what it did not
+    if any(o.reads_document for o in obtained.values()):  # what reconstruction saw vs what it did not
         sel = with_subset(sel, "probes", "probes_withheld", withheld_probe_ids(ctx, targets), cfg)
     notes: dict[str, Any] = {}
     if questions:  # reference answers cached in RUN/questions/<sha256[:16]>/, shared with the evaluate stage
