@@ -34,7 +34,6 @@ from typing import Any, Literal
 from ..schemas.config import ModuleConfig, PipelineConfig, TrainConfig
 from ..schemas.presets import PRESET_REGIMES, PRESETS, REGIMES, ConfigError, deep_merge, regime_overlay
 from ..schemas.renamed import renamed
-from ..states.kvpress_press import BITS as KVPRESS_BITS  # noqa: F401  (re-exported)
 from ..states.kvpress_press import PREFIX as KVPRESS_PREFIX
 from ..states import StateMethod, get_method
 from ..states.kvpress_press import KvpressPress, PressNameError
@@ -52,7 +51,7 @@ class System:
     method: str | None = None  # baseline: its state method's name in nectar/states/registry.py
     press: str | None = None  # kvpress: the press (nectar/kvpress/worker.py PRESSES)
     bits: int = 32  # baseline / kvpress: storage precision of its kept entries (trained: train.module.bits in overlay)
-    options: dict[str, Any] = field(default_factory=dict)  # baseline: the method's settings (recon_fit: SelectionConfig's)
+    options: dict[str, Any] = field(default_factory=dict)  # baseline: its method's settings (recon_fit: select's)
     default: bool = True  # in a compare without --systems (opt-in: ablations, systems that train extra variants)
     refines: str | None = None  # trained: the closed-form system it starts from (compare: paired Δ to it)
 
@@ -102,7 +101,8 @@ for _s in (
     # recon_fit (nectar/states/recon_fit.py; KVzip's context reconstruction selects the keys) and its
     # ablations: each differs from recon_select / recon_fit in one SelectionConfig switch.
     System("recon_select", "baseline", "exact KV of the keys reconstruction attends to most (max over spans), "
-           "one budget across layers and KV heads, 4 sink tokens (KVzip's selection)", method="recon_fit", options={"fit": False}),
+           "one budget across layers and KV heads, 4 sink tokens (KVzip's selection)", method="recon_fit",
+           options={"fit": False}),
     System("recon_select_layer", "baseline", "recon_select with the plan's budget per layer",
            method="recon_fit", options={"fit": False, "budget": "layer"}, default=False),
     System("recon_select_mean", "baseline", "recon_select scoring keys by mean instead of max",

@@ -81,8 +81,8 @@ def fit_method(name: str, doc_kv, targets_url: str, plan: ModulePlan, seed: int 
     method = get_method(name)
     if method.reads_document:
         raise ValueError(f"state method {name!r} reads the document with the model: call "
-                         f"get_method({name!r}).fit(plan, FitInputs(doc_kv, targets, base=…, layout=…, document=…, "
-                         "spans=…))")
+                         f"get_method({name!r}).fit(plan, FitInputs(doc_kv, targets, base=…, layout=…, "
+                         "document=…, spans=…))")
     if "score" in getattr(method, "__dataclass_fields__", {}):
         method = method.with_options(score=score)
     return method.fit(plan, FitInputs(doc_kv, targets_url, seed=seed, bits=bits, max_tokens=max_tokens))

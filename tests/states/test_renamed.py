@@ -41,3 +41,20 @@ def test_old_system_and_regime_names_resolve_to_the_new_systems():
     assert [s.name for s in resolve(["kvzip_fit_qa@int4", "kvzip_select", "kvzip", "kvpress:kvzip:int4"])] == \
         ["recon_fit_regime", "recon_select", "recon_fit_qa@int4", "kvpress:kvzip:int4"]
     assert resolve(["kvzip_fit@int4"])[0].method == "recon_fit"
+
+
+def test_an_old_run_directory_opens_with_the_new_name(tmp_path, capsys):
+    from sample_document import DOC
+
+    from nectar import orchestration
+    from nectar.orchestration.context import open_run
+
+    (tmp_path / "doc.txt").write_text(DOC)
+    ctx = orchestration.prepare_run(str(tmp_path / "doc.txt"), load_config("tiny", regime="recon_fit"),
+                                    str(tmp_path / "run"))
+    manifest = tmp_path / "run" / "run.json"
+    text = manifest.read_text()
+    assert '"init": "recon_fit"' in text
+    manifest.write_text(text.replace('"init": "recon_fit"', '"init": "kvzip"'))  # as an old release wrote it
+    old = open_run(str(tmp_path / "run"))
+    assert old.config == ctx.config and old.config.train.module.init == "recon_fit"
