@@ -252,7 +252,7 @@ def test_bytes_budgets_are_fractions_of_the_kv_at_its_dtype():
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # two reconstruction passes and fits on top of the fixture's run
-def test_compare_kvzip_rows_carry_the_budget_and_a_layer_head_heat_map(tiny_run):
+def test_compare_recon_rows_carry_the_budget_and_a_layer_head_heat_map(tiny_run):
     ctx = tiny_run
     res = comparison.compare(ctx, ["none", "full", "evict", "recon_select", "recon_fit"])
     by = {(r.system, r.split): r for r in res.rows}

@@ -123,7 +123,7 @@ def test_resume_after_sigkill_reaches_the_uninterrupted_result(tiny_llama, targe
     assert counts["train_loss"] == [r for r in rb if r.split == "train"][-1].loss
 
 
-def test_kvzip_init_trains_the_selected_state_and_saves_only_its_real_pairs(tiny_llama, targets, tmp_path):
+def test_recon_fit_init_trains_the_selected_state_and_saves_only_its_real_pairs(tiny_llama, targets, tmp_path):
     from nectar.attention.exact import ExactDocState
     from nectar.modules.provider import ModuleDocState
     from nectar.schemas.config import ProbesConfig, ReconConfig
@@ -149,8 +149,8 @@ def test_kvzip_init_trains_the_selected_state_and_saves_only_its_real_pairs(tiny
     assert torch.isfinite(st.out).all() and st.lse.shape == ExactDocState(kv)(0, q, tiny_llama.scaling).lse.shape
 
 
-def test_kvzip_int4_state_without_refinement_is_the_quantized_fit_saved_as_codes(tiny_llama, targets, tmp_path):
-    """train.refine=false: the train stage saves kvzip's quantization-aware fit as the state (no
+def test_recon_fit_int4_state_without_refinement_is_the_quantized_fit_saved_as_codes(tiny_llama, targets, tmp_path):
+    """train.refine=false: the train stage saves recon_fit's quantization-aware fit as the state (no
     gradient steps); its file holds the counted bytes and loads back to the fitted baseline exactly."""
     from nectar.states import fit_recon
     from nectar.layout import build_layout
@@ -179,8 +179,8 @@ def test_kvzip_int4_state_without_refinement_is_the_quantized_fit_saved_as_codes
         train(url, CFG.model_copy(update={"refine": False}), tiny_llama, kv, str(tmp_path / "mlp"))
 
 
-def test_kvzip_int4_state_refined_as_stored_keeps_its_grid_and_moves_off_the_fit(tiny_llama, targets, tmp_path):
-    """train.quant_aware: the int4 kvzip fit refined by gradient steps that see it as stored; the saved
+def test_recon_fit_int4_state_refined_as_stored_keeps_its_grid_and_moves_off_the_fit(tiny_llama, targets, tmp_path):
+    """train.quant_aware: the int4 recon_fit fit refined by gradient steps that see it as stored; the saved
     state is on its grid (codes in the file), starts where the fit is (same step-0 held-out row) and
     differs from it after the steps."""
     from nectar.quantization import fake_quantize

@@ -1,4 +1,4 @@
-"""The baselines' interface: one file per method, listed by the registry; a new method written
+"""The state methods' interface: one file per method, listed by the registry; a new method written
 against the interface alone plans, fits and sizes like the registered ones."""
 import dataclasses
 import sys
