@@ -5,9 +5,9 @@ press).
 
     python benchmarks/first_state_compare.py RUN_DIR --out /tmp/cmp            # --bytes 0.05,0.01
 
-What ``nectar compare RUN --bytes 0.05,0.01 --systems none,full,kvzip_first@int4,kvpress:kvzip:int4
+What ``nectar compare RUN --bytes 0.05,0.01 --systems none,full,recon_first@int4,kvpress:kvzip:int4
 --out DIR`` does, with two cuts for a loaded 2-core machine: greedy agreement off
-(``evaluate.agreement_max_samples=0``: teacher-forced KL is the measure) and ``kvzip_first@int4`` only
+(``evaluate.agreement_max_samples=0``: teacher-forced KL is the measure) and ``recon_first@int4`` only
 where the run has no first state of its own (the run's ρ is ``run:first`` itself).
 """
 from __future__ import annotations
@@ -37,9 +37,9 @@ def main() -> None:
     ctx.config = ctx.config.model_copy(update={"evaluate": evaluate})
     refresh_targets(ctx)
     rhos = parse_bytes(args.bytes, ctx.config.model.dtype)
-    jobs = plan_jobs(ctx, ["none", "full", "kvzip_first@int4", "kvpress:kvzip:int4"], rhos)
+    jobs = plan_jobs(ctx, ["none", "full", "recon_first@int4", "kvpress:kvzip:int4"], rhos)
     run_rho = ctx.config.train.module.rho
-    jobs = [j for j in jobs if not (j.system.name == "kvzip_first@int4" and j.rho == run_rho)]
+    jobs = [j for j in jobs if not (j.system.name == "recon_first@int4" and j.rho == run_rho)]
     result = score_and_write(ctx, jobs, out=args.out)
     rows = [r.model_dump(include={"system", "rho", "split", "state_bytes", "state_seconds", "recovered_kl",
                                   "recovered_kl_ci_low", "recovered_kl_ci_high", "token_acc", "source"}) for r in result.rows]

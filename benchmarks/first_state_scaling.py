@@ -62,7 +62,7 @@ def scipy_nnls_seconds(G, rhs) -> tuple[float, float]:
     import torch
     from scipy.optimize import nnls
 
-    from nectar.baselines.matching_fit import nnls_gram
+    from nectar.states.matching_fit import nnls_gram
 
     start = time.perf_counter()
     L = torch.linalg.cholesky(G)
@@ -76,7 +76,7 @@ def run_one(n_tokens: int, nnls_log: list, scipy_every: int = 0) -> dict:
     import torch
 
     from nectar.base_model import load_base_model
-    from nectar.baselines import matching_fit
+    from nectar.states import matching_fit
     from nectar.schemas.presets import load_config
     from nectar.stages.first import first_state
 

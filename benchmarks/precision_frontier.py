@@ -3,7 +3,7 @@ trained state: the frontier of docs/quality.md ("Equal bytes at any precision").
 
     python benchmarks/precision_frontier.py RUN_DIR [--bytes 0.005,0.01,0.02,0.05,0.1,0.2]
         [--splits probes] [--out DIR]
-    python benchmarks/precision_frontier.py RUN_DIR --systems kvzip_fit@int4,kvzip_fit,kvpress:kvzip:int4,\
+    python benchmarks/precision_frontier.py RUN_DIR --systems recon_fit@int4,recon_fit,kvpress:kvzip:int4,\
         kvpress:kvzip,evict@int4 --bytes 0.005,0.01,0.02,0.05,0.1,0.2 --no-state
 
 Budgets are fractions of the document KV's bytes at the model's KV dtype (``--bytes`` of ``nectar

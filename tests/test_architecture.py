@@ -27,7 +27,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
         "core",
         frozenset(
             {
-                "attention", "baselines", "documents", "evaluation", "integrity",
+                "attention", "states", "documents", "evaluation", "integrity",
                 "layout", "llm", "vllm", "ports", "venvs", "base_model", "modules", "prompts", "shutdown", "storage", "tables",
                 "targets", "training", "quantization", "kvpress", "cache_call", "queries", "partial",
             }

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from targets_fixture import DOC, QA, dataset_rows, make_targets  # noqa: E402
 
 from nectar.attention.exact import ExactDocState  # noqa: E402
-from nectar.baselines import fit_baseline  # noqa: E402
+from nectar.states import fit_method  # noqa: E402
 from nectar.evaluation.teacher import EvalPair, teacher_forced_pair_sums  # noqa: E402
 from nectar.modules import plan_module  # noqa: E402
 from nectar.modules.io import load_module  # noqa: E402
@@ -81,8 +81,8 @@ def golden_figures(base, workdir: Path) -> dict[str, float]:
     url = str(workdir / "targets")
     plan = plan_module("quadrature", base.num_layers, base.num_kv_heads, base.head_dim, layout.n, base.scaling,
                        RHO, quad_bias=True)
-    evict = fit_baseline("evict", kv, url, plan)
-    matching = fit_baseline("attention_matching", kv, url, plan)
+    evict = fit_method("evict", kv, url, plan)
+    matching = fit_method("attention_matching", kv, url, plan)
     counts = train(url, TRAIN, base, kv, str(workdir / "train"))
     module, _ = load_module(str(workdir / "train"), base)
     pairs = _test_pairs(layout)

@@ -31,8 +31,7 @@ import numpy as np
 from ..attention.compose import POSITIONS, CompositionError, compose, refuse_different_models, shared_prefix
 from ..attention.doc_kv import DocKV, prefill_document
 from ..attention.exact import ExactDocState
-from ..baselines import FitInputs, get_baseline
-from ..baselines.interface import FittedBaseline
+from ..states import FitInputs, FittedState
 from ..evaluation.scoring import score_providers
 from ..evaluation.selection import Selection
 from ..evaluation.teacher import EvalPair, PairSums
@@ -51,7 +50,7 @@ from .jobs import baseline_plan
 from .outputs import write_comparison
 from .run import SCORE_BATCH
 from .table import comparison_markdown, differences_markdown
-from .systems import System, resolve
+from .systems import System, resolve, system_method
 
 SEPARATOR = "\n\n"  # between the documents of the reference context
 BOTH = "Quote the sentence of the documents that contains the phrase «{a}», then the one that contains «{b}»."
@@ -182,7 +181,7 @@ def _load_state(path: str, base) -> State | None:
     if not os.path.exists(path):
         return None
     saved = torch.load(path, map_location=base.device, weights_only=False)
-    fitted = FittedBaseline(saved["name"], saved["module"], saved["plan"])
+    fitted = FittedState(saved["name"], saved["module"], saved["plan"])
     return State(fitted, saved["nbytes"], saved["seconds"], saved["arch"])
 
 
@@ -204,27 +203,25 @@ def _fit_part(part: Part, s: System, rho: float, base) -> State:
 
         if not ctx.run.exists("train", "module.json"):
             raise CompareInputError(f"system module: {ctx.run.root} has no trained module (run the pipeline "
-                                    "through the train stage, or compare a baseline such as kvzip_fit@int4)")
+                                    "through the train stage, or compare a baseline such as recon_fit@int4)")
         module, spec = load_module(ctx.run.url("train"), base, ctx.info.sha256, device=base.device)
         return State(ModuleDocState(module), spec.module_bytes, time.perf_counter() - t0, spec.arch)
     targets = ctx.stage_run("targets").url("targets")
     has_targets = ctx.stage_run("targets").read_manifest("targets") is not None
-    baseline = get_baseline(s.baseline)
+    method = system_method(s, ctx.config.train.module)
     inputs = FitInputs(part.doc_kv, targets if has_targets else None, seed=ctx.config.train.seed, bits=s.bits)
-    if baseline.reads_document:
+    if method.reads_document:
         tcfg = ctx.config.targets
         spans = tuple((r.instruction, r.response) for r in make_recon(ctx.text, tcfg.recon, tcfg.probes))
-        select = ctx.config.train.module.select.model_copy(update=s.options)
-        inputs = dataclasses.replace(inputs, base=base, layout=part.layout, document=ctx.text, spans=spans,
-                                     select=select)
+        inputs = dataclasses.replace(inputs, base=base, layout=part.layout, document=ctx.text, spans=spans)
     elif not has_targets:
         raise CompareInputError(f"system {s.name}: fits on the captured targets and {ctx.run.root} has none; run "
                                 "its data stages (`nectar run`) or compare a baseline that reads the document "
-                                "(kvzip_fit@int4)")
+                                "(recon_fit@int4)")
     dims = dict(num_layers=base.num_layers, num_kv_heads=base.num_kv_heads, head_dim=base.head_dim,
                 n_context=part.layout.n, scaling=base.scaling)
-    fitted = baseline.fit(baseline_plan(ctx, rho, dims), inputs)
-    return State(fitted, int(fitted.nbytes), time.perf_counter() - t0, s.baseline)
+    fitted = method.fit(baseline_plan(ctx, rho, dims), inputs)
+    return State(fitted, int(fitted.nbytes), time.perf_counter() - t0, s.method)
 
 
 @dataclass
@@ -333,18 +330,18 @@ def _save_press(workdir: str, key: str, pair_ids: list[str], context_ids, r: Pre
 
 
 def plan_systems(systems: list[str] | None, positions: list[str] | None) -> tuple[list[System], list[str]]:
-    names = systems or ["none", "full", "kvzip_fit@int4"]
+    names = systems or ["none", "full", "recon_fit@int4"]
     own = [n for n in names if n == "module"]
     try:
         chosen = resolve([n for n in names if n != "module"])
     except ConfigError as exc:
         raise CompareInputError(str(exc)) from None
     if own:
-        chosen.append(System("module", "trained", "each run's trained module", regime="kvzip"))
+        chosen.append(System("module", "trained", "each run's trained module", regime="recon_fit"))
     for s in chosen:
         if s.kind == "trained" and s.name != "module":
             raise CompareInputError(f"system {s.name}: composing trains nothing; compose each run's own module "
-                                    "(`module`), a baseline (kvzip_fit@int4) or a kvpress press")
+                                    "(`module`), a baseline (recon_fit@int4) or a kvpress press")
     positions = positions or list(POSITIONS)
     for p in positions:
         if p not in POSITIONS:

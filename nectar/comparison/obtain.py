@@ -9,13 +9,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..attention.exact import ExactDocState
-from ..baselines import FitInputs, get_baseline
 from ..layout import build_layout
 from ..orchestration.context import RunContext
 from ..queries.recon import make_recon
+from ..states import FitInputs
 from .inputs import CompareInputError
 from .jobs import Job, baseline_plan
-from .systems import RUN_STATES, System
+from .systems import RUN_STATES, system_method
 
 
 @dataclass
@@ -27,6 +27,11 @@ class Obtained:
     source: str
     state_seconds: float | None = None  # document → usable state (see ComparisonRow.state_seconds)
     document_only: bool = False  # a baseline that needs no captured query: its time is prefill + fit
+    reads: frozenset[str] = frozenset()  # a baseline: what its state method reads (StateMethod.reads)
+
+    @property
+    def reads_document(self) -> bool:
+        return "document" in self.reads
 
 
 def obtain(job: Job, ctx: RunContext, base, doc_kv, dims: dict[str, Any]) -> Obtained:
@@ -49,21 +54,15 @@ def obtain(job: Job, ctx: RunContext, base, doc_kv, dims: dict[str, Any]) -> Obt
         return Obtained(ModuleDocState(module), spec.module_bytes, manifest.duration_s, spec.arch, job.ctx.run.root)
     if s.kind == "run":
         return _run_state(job, ctx, base)
-    baseline = get_baseline(s.baseline)
+    method = system_method(s, ctx.config.train.module)
     t0 = time.perf_counter()
     inputs = FitInputs(doc_kv, ctx.stage_run("targets").url("targets"), seed=ctx.config.train.seed, bits=s.bits)
-    if baseline.reads_document:
-        inputs = _with_document(inputs, s, ctx, base)
-    provider = baseline.fit(baseline_plan(ctx, job.rho, dims), inputs)
+    if method.reads_document:
+        inputs = _with_document(inputs, ctx, base)
+    provider = method.fit(baseline_plan(ctx, job.rho, dims), inputs)
     seconds = time.perf_counter() - t0
-    return Obtained(provider, int(provider.nbytes), seconds, s.baseline, f"fit_baseline({s.baseline!r})",
-                    document_only=baseline.reads_document and not _uses_train_queries(inputs.select))
-
-
-def _uses_train_queries(select) -> bool:
-    """Whether a kvzip state ranks or fits on the targets' train queries (else: the document alone)."""
-    return select is not None and (select.score_queries == "recon+train"
-                                   or (select.fit and select.fit_queries == "recon+train"))
+    return Obtained(provider, int(provider.nbytes), seconds, s.method, f"fit_method({s.method!r})",
+                    document_only=method.reads_document and not method.reads_train_queries, reads=method.reads)
 
 
 def _run_state(job: Job, ctx: RunContext, base) -> Obtained:
@@ -104,11 +103,9 @@ def refit_first_seconds(ctx: RunContext, base) -> float:
         return time.perf_counter() - t0
 
 
-def _with_document(inputs: FitInputs, s: System, ctx: RunContext, base) -> FitInputs:
-    """A baseline that reads the document (kvzip): the model, the layout, the reconstruction spans and
-    the run's selection settings with the system's switches (SelectionConfig)."""
-    select = ctx.config.train.module.select.model_copy(update=s.options)
+def _with_document(inputs: FitInputs, ctx: RunContext, base) -> FitInputs:
+    """A method that reads the document (recon_fit): the model, the layout, the reconstruction spans."""
     tcfg = ctx.config.targets
     spans = tuple((r.instruction, r.response) for r in make_recon(ctx.text, tcfg.recon, tcfg.probes))
     return dataclasses.replace(inputs, base=base, layout=build_layout(base.tokenizer, ctx.text), document=ctx.text,
-                               spans=spans, select=select)
+                               spans=spans)

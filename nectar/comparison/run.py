@@ -6,7 +6,7 @@
             the same settings (``nectar sweep``, an earlier compare), or a new variant directory
             ``RUN/sweep/<system>_rho-<ρ>/`` sharing the run's data stages (comparison/sweep.py)
   2. train  what is missing, through the train stage and its cache (a second compare trains nothing)
-  3. fit    the closed-form baselines (nectar.baselines, seconds)
+  3. fit    the baselines: state methods fitted at compare time (nectar.states, seconds)
   4. score  every provider on every held-out pair in one pass (evaluation/scoring.py: the full and
             no-document passes and the full model's continuations are shared by all systems), with
             one paired bootstrap over pairs per split; kvpress presses (``kvpress:<press>``) are
@@ -79,7 +79,7 @@ def score_and_write(ctx: RunContext, jobs: list[Job], progress: ProgressFactory 
     g, _ = open_targets(targets_zarr_url(targets))
     target_rows = read_table(f"{targets}/pairs.parquet", TargetsPairRow)
     sel = select_pairs(target_rows, g["token_ids"][:], cfg, evaluated_splits(target_rows, cfg))
-    if any(j.system.baseline == "kvzip" for j in jobs):  # what reconstruction saw vs what it did not
+    if any(o.reads_document for o in obtained.values()):  # what reconstruction saw vs what it did not
         sel = with_subset(sel, "probes", "probes_withheld", withheld_probe_ids(ctx, targets), cfg)
     notes: dict[str, Any] = {}
     if questions:  # reference answers cached in RUN/questions/<sha256[:16]>/, shared with the evaluate stage

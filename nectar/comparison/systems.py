@@ -6,16 +6,20 @@
              nectar/schemas/presets.py (REGIMES, sized per preset by PRESET_REGIMES) plus optional
              further settings — at each budget ρ, in a variant run directory that shares the run's
              data stages (comparison/sweep.py).
-  baseline   a closed-form fit on the document KV and the captured targets,
-             ``nectar.baselines.fit_baseline(name, doc_kv, targets_url, plan, seed)``, sized to the
-             bytes of the module plan at the same ρ.
+  baseline   a state method of nectar/states (``System.method``: the registry's name; ``options``: its
+             settings) fitted at compare time on the document KV and, as the method reads them, the
+             captured targets or the document — the product's own ``recon_fit`` among them — sized
+             to the bytes of the module plan at the same ρ.
   run        the run's own states (the first state from the document alone, the refined one of the
              train stage), as the pipeline made them, at the run's ρ: always compared when the run has
              them, never named (``run_states``)
   kvpress    a press of NVIDIA's kvpress library (``kvpress:<press>``, optionally ``:int8`` / ``:int4``
-             for kept keys and values stored at that precision), run in its own venv on the same token
-             ids (nectar/kvpress/), keeping the entries whose stored bytes are ρ of the document KV.
+             for kept keys and values stored at that precision): the registry's kvpress adapter family
+             (nectar/states/kvpress_press.py), run in its own venv on the same token ids
+             (nectar/kvpress/), keeping the entries whose stored bytes are ρ of the document KV.
              Asked for by name only (``kvpress:all`` = every press that runs offline).
+
+Old names (``recon_fit_qa@int4``, …) are read as their new ones (nectar/schemas/renamed.py).
 
 Adding a system is adding one entry, e.g. the matching module refined by the mixed loss instead:
 
@@ -27,13 +31,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ..kvpress.worker import PRESSES, UNAVAILABLE
-from ..schemas.config import PipelineConfig, TrainConfig
+from ..schemas.config import ModuleConfig, PipelineConfig, TrainConfig
 from ..schemas.presets import PRESET_REGIMES, PRESETS, REGIMES, ConfigError, deep_merge, regime_overlay
+from ..schemas.renamed import renamed
+from ..states.kvpress_press import PREFIX as KVPRESS_PREFIX
+from ..states import StateMethod, get_method
+from ..states.kvpress_press import KvpressPress, PressNameError
 
 Kind = Literal["reference", "trained", "baseline", "kvpress", "run"]
-KVPRESS_PREFIX = "kvpress:"
-KVPRESS_BITS = {"int8": 8, "int4": 4}
 
 
 @dataclass(frozen=True)
@@ -43,10 +48,10 @@ class System:
     description: str
     regime: str | None = None  # trained: the REGIMES overlay
     overlay: dict[str, Any] = field(default_factory=dict)  # trained: further settings on top of the regime
-    baseline: str | None = None  # baseline: the name fit_baseline takes
+    method: str | None = None  # baseline: its state method's name in nectar/states/registry.py
     press: str | None = None  # kvpress: the press (nectar/kvpress/worker.py PRESSES)
     bits: int = 32  # baseline / kvpress: storage precision of its kept entries (trained: train.module.bits in overlay)
-    options: dict[str, Any] = field(default_factory=dict)  # baseline kvzip: SelectionConfig settings
+    options: dict[str, Any] = field(default_factory=dict)  # baseline: its method's settings (recon_fit: select's)
     default: bool = True  # in a compare without --systems (opt-in: ablations, systems that train extra variants)
     refines: str | None = None  # trained: the closed-form system it starts from (compare: paired Δ to it)
 
@@ -55,7 +60,7 @@ class System:
             raise ValueError(f"trained system {self.name!r} needs a regime or an overlay")
         if self.kind == "kvpress" and not self.press:
             raise ValueError(f"kvpress system {self.name!r} needs a press")
-        if self.kind == "baseline" and not self.baseline:
+        if self.kind == "baseline" and not self.method:
             raise ValueError(f"baseline system {self.name!r} needs the name of its fit")
         if self.refines is not None and self.kind != "trained":
             raise ValueError(f"system {self.name!r}: only a trained system refines another")
@@ -83,51 +88,53 @@ for _s in (
            regime="cartridges"),
     System("matching", "trained", "quadrature + log-mass bias initialised by Attention Matching, refined by "
            "regression on the captured targets", regime="matching"),
-    System("kvzip", "trained", "the train stage's kvzip state: kvzip_fit@int4 made by the pipeline (regime kvzip: "
-           "reconstruction-selected keys, quantization-aware fit, int4, no gradient steps)", regime="kvzip",
+    System("recon_fit_regime", "trained", "the train stage's recon_fit state: recon_fit@int4 made by the pipeline "
+           "(regime recon_fit: reconstruction-selected keys, quantization-aware fit, int4, no gradient steps)",
+           regime="recon_fit",
            default=False),
-    System("truncate", "baseline", "exact KV of a ρ·n-token part of the document", baseline="truncate"),
-    System("evict", "baseline", "exact KV of the ρ·n most-attended tokens per KV head", baseline="evict"),
+    System("truncate", "baseline", "exact KV of a ρ·n-token part of the document", method="truncate"),
+    System("evict", "baseline", "exact KV of the ρ·n most-attended tokens per KV head", method="evict"),
     System("attention_matching", "baseline", "the evicted keys with fitted log-mass biases and "
-           "least-squares values (Zweiger et al., 2026)", baseline="attention_matching"),
+           "least-squares values (Zweiger et al., 2026)", method="attention_matching"),
     System("attention_matching_kv", "baseline", "attention_matching without the bias (β = 0) and the same "
-           "number of keys in every layer: plain KV, what vLLM serves", baseline="attention_matching_kv"),
-    # KVzip-style selection (nectar/baselines/kvzip.py) and its ablations: each differs from
-    # kvzip_select / kvzip_fit in one SelectionConfig switch.
-    System("kvzip_select", "baseline", "exact KV of the keys reconstruction attends to most (max over spans), "
-           "one budget across layers and KV heads, 4 sink tokens (KVzip)", baseline="kvzip", options={"fit": False}),
-    System("kvzip_select_layer", "baseline", "kvzip_select with the plan's budget per layer",
-           baseline="kvzip", options={"fit": False, "budget": "layer"}, default=False),
-    System("kvzip_select_mean", "baseline", "kvzip_select scoring keys by mean instead of max",
-           baseline="kvzip", options={"fit": False, "aggregate": "mean"}, default=False),
-    System("kvzip_fit", "baseline", "kvzip_select's keys with fitted log-mass biases and least-squares values "
-           "on reconstruction + train queries", baseline="kvzip", options={"fit": True}),
-    System("kvzip_fit_layer", "baseline", "kvzip_fit with the plan's budget per layer",
-           baseline="kvzip", options={"fit": True, "budget": "layer"}, default=False),
-    System("kvzip_fit_recon", "baseline", "kvzip_fit on reconstruction queries only",
-           baseline="kvzip", options={"fit": True, "fit_queries": "recon"}, default=False),
-    System("kvzip_fit_nosink", "baseline", "kvzip_fit without sink tokens",
-           baseline="kvzip", options={"fit": True, "sink_tokens": 0}, default=False),
-    System("kvzip_fit_template", "baseline", "kvzip_fit keeping every chat-template token exact",
-           baseline="kvzip", options={"fit": True, "template_tokens": True}, default=False),
+           "number of keys in every layer: plain KV, what vLLM serves", method="attention_matching_kv"),
+    # recon_fit (nectar/states/recon_fit.py; KVzip's context reconstruction selects the keys) and its
+    # ablations: each differs from recon_select / recon_fit in one SelectionConfig switch.
+    System("recon_select", "baseline", "exact KV of the keys reconstruction attends to most (max over spans), "
+           "one budget across layers and KV heads, 4 sink tokens (KVzip's selection)", method="recon_fit",
+           options={"fit": False}),
+    System("recon_select_layer", "baseline", "recon_select with the plan's budget per layer",
+           method="recon_fit", options={"fit": False, "budget": "layer"}, default=False),
+    System("recon_select_mean", "baseline", "recon_select scoring keys by mean instead of max",
+           method="recon_fit", options={"fit": False, "aggregate": "mean"}, default=False),
+    System("recon_fit", "baseline", "recon_select's keys with fitted log-mass biases and least-squares values "
+           "on reconstruction + train queries", method="recon_fit", options={"fit": True}),
+    System("recon_fit_layer", "baseline", "recon_fit with the plan's budget per layer",
+           method="recon_fit", options={"fit": True, "budget": "layer"}, default=False),
+    System("recon_fit_recon", "baseline", "recon_fit on reconstruction queries only",
+           method="recon_fit", options={"fit": True, "fit_queries": "recon"}, default=False),
+    System("recon_fit_nosink", "baseline", "recon_fit without sink tokens",
+           method="recon_fit", options={"fit": True, "sink_tokens": 0}, default=False),
+    System("recon_fit_template", "baseline", "recon_fit keeping every chat-template token exact",
+           method="recon_fit", options={"fit": True, "template_tokens": True}, default=False),
     # the selection lever for the QA pairs: keys ranked by the max of the reconstruction and the train
     # queries' scores (each normalised at the budget's cut), fitted on both
-    System("kvzip_fit_qa", "baseline", "kvzip_fit ranking keys by reconstruction AND train queries (max of the "
-           "two scores, each divided by its value at the budget's cut)", baseline="kvzip",
+    System("recon_fit_qa", "baseline", "recon_fit ranking keys by reconstruction AND train queries (max of the "
+           "two scores, each divided by its value at the budget's cut)", method="recon_fit",
            options={"fit": True, "score_queries": "recon+train"}, default=False),
-    # kvzip_fit's state refined through the train stage (init "kvzip"): by the regression loss on the
+    # recon_fit's state refined through the train stage (init "recon_fit"): by the regression loss on the
     # captured targets (matching's refinement), or end to end by the KL to the teacher through the
     # frozen model (every stored key, β and value trained), on the train pairs.
-    System("kvzip_train", "trained", "kvzip_fit refined by regression on the captured targets (matching's loss)",
-           regime="matching", overlay={"train": {"module": {"init": "kvzip"}}}, default=False),
-    System("kvzip_train_recon", "trained", "kvzip_fit refined by regression on the train pairs and the "
+    System("recon_train", "trained", "recon_fit refined by regression on the captured targets (matching's loss)",
+           regime="matching", overlay={"train": {"module": {"init": "recon_fit"}}}, default=False),
+    System("recon_train_recon", "trained", "recon_fit refined by regression on the train pairs and the "
            "reconstruction spans, 12k query tokens (needs targets.recon.capture=true)", regime="matching",
-           overlay={"train": {"splits": "train+recon", "samples": 12_000, "module": {"init": "kvzip"}}},
+           overlay={"train": {"splits": "train+recon", "samples": 12_000, "module": {"init": "recon_fit"}}},
            default=False),
-    System("kvzip_distill", "trained", "kvzip_fit refined end to end by the KL to the full model's top-K",
+    System("recon_distill", "trained", "recon_fit refined end to end by the KL to the full model's top-K",
            regime="matching", overlay={"train": {"lambda_alpha": 0.0, "lambda_A": 0.0, "lambda_kl": 1.0,
                                                  "samples": 240, "batch_size": 4, "peak_lr": 1e-3,
-                                                 "module": {"init": "kvzip"}}}, default=False),
+                                                 "module": {"init": "recon_fit"}}}, default=False),
 ):
     register(_s)
 
@@ -139,36 +146,36 @@ for _bits in (8, 4):
     for _name in ("truncate", "evict", "attention_matching"):
         register(System(f"{_name}@int{_bits}", "baseline", f"{SYSTEMS[_name].description}, stored at int{_bits} "
                         "(fp16 scale and zero per 64 values), as many entries as the bytes buy",
-                        baseline=_name, bits=_bits))
+                        method=_name, bits=_bits))
     register(System(f"matching@int{_bits}", "trained", f"matching with as many pairs as int{_bits} storage buys "
                     "in the bytes, trained in float, stored and served at int{_bits}".replace("{_bits}", str(_bits)),
                     regime="matching", overlay={"train": {"module": {"bits": _bits}}}, default=False))
 
 
-# KVzip-style states stored quantized: as many pairs as the bytes buy (keys, values as codes, β bf16),
+# recon_fit states stored quantized: as many pairs as the bytes buy (keys, values as codes, β bf16),
 # fitted to the keys and β as stored (``_float``: fitted in float, then rounded).
 for _bits in (8, 4):
-    for _name, _opts, _default in (("kvzip_fit", {"fit": True}, True),
-                                   ("kvzip_select", {"fit": False}, False),
-                                   ("kvzip_fit_qa", {"fit": True, "score_queries": "recon+train"}, _bits == 4),
-                                   ("kvzip_fit_float", {"fit": True, "quant_aware": False}, False)):
-        _desc = SYSTEMS["kvzip_fit" if _name == "kvzip_fit_float" else _name].description
-        if _name == "kvzip_fit_float":
+    for _name, _opts, _default in (("recon_fit", {"fit": True}, True),
+                                   ("recon_select", {"fit": False}, False),
+                                   ("recon_fit_qa", {"fit": True, "score_queries": "recon+train"}, _bits == 4),
+                                   ("recon_fit_float", {"fit": True, "quant_aware": False}, False)):
+        _desc = SYSTEMS["recon_fit" if _name == "recon_fit_float" else _name].description
+        if _name == "recon_fit_float":
             _desc += " (fitted in float, then rounded)"
         register(System(f"{_name}@int{_bits}", "baseline", f"{_desc}, stored at int{_bits} (fp16 scale and zero "
-                        "per 64 values, β bf16), as many pairs as the bytes buy", baseline="kvzip", bits=_bits,
+                        "per 64 values, β bf16), as many pairs as the bytes buy", method="recon_fit", bits=_bits,
                         options=_opts, default=_default))
 
 
 # The first state's algorithm (nectar/stages/first.py) at any budget: keys ranked and β, values fitted on the
 # reconstruction queries alone, int4 — from the document alone, so its state s is prefill + fit (opt-in).
-register(System("kvzip_first@int4", "baseline", "the first stage's state: kvzip_fit ranked and fitted on the "
+register(System("recon_first@int4", "baseline", "the first stage's state: recon_fit ranked and fitted on the "
                 "reconstruction queries alone (no question about the document), stored at int4 (fp16 scale and "
-                "zero per 64 values, β bf16)", baseline="kvzip", bits=4,
+                "zero per 64 values, β bf16)", method="recon_fit", bits=4,
                 options={"fit": True, "fit_queries": "recon", "score_queries": "recon"}, default=False))
 
 
-# The default state (kvzip_fit_qa@int4) refined by gradient steps that see it as stored (train.quant_aware:
+# The default state (recon_fit_qa@int4) refined by gradient steps that see it as stored (train.quant_aware:
 # keys, values and β rounded on their grid in every forward, straight-through gradient), so the trained
 # state is the stored one and starts from the quantization-aware fit instead of discarding it; and the
 # same regression refinement trained in float and rounded after (the ablation of quant_aware). Opt-in:
@@ -176,34 +183,34 @@ register(System("kvzip_first@int4", "baseline", "the first stage's state: kvzip_
 _QA_TRAIN = {"refine": True, "lambda_alpha": 0.1, "lambda_A": 1.0, "lambda_kl": 0.0, "peak_lr": 1e-3,
              "samples": 12_000, "module": {"bits": 4}}
 for _name, _desc, _train in (
-        ("kvzip_train_qa@int4", "kvzip_fit_qa@int4 refined as stored (int4 keys/values, bf16 β, straight-through "
+        ("recon_train_qa@int4", "recon_fit_qa@int4 refined as stored (int4 keys/values, bf16 β, straight-through "
          "gradient) by regression on the train pairs' captured targets, 12k query tokens", {**_QA_TRAIN, "quant_aware": True}),
-        ("kvzip_train_qa_fast@int4", "kvzip_train_qa@int4 at 10x the learning rate (1e-2): an int4 code flips "
+        ("recon_train_qa_fast@int4", "recon_train_qa@int4 at 10x the learning rate (1e-2): an int4 code flips "
          "only once the float behind it crosses half a step", {**_QA_TRAIN, "quant_aware": True, "peak_lr": 1e-2}),
-        ("kvzip_train_qa_float@int4", "kvzip_train_qa@int4 trained in float and rounded after (no "
+        ("recon_train_qa_float@int4", "recon_train_qa@int4 trained in float and rounded after (no "
          "quantization-aware steps)", {**_QA_TRAIN, "quant_aware": False}),
-        ("kvzip_distill_qa@int4", "kvzip_fit_qa@int4 refined as stored end to end by the KL to the full "
+        ("recon_distill_qa@int4", "recon_fit_qa@int4 refined as stored end to end by the KL to the full "
          "model's top-K on the train pairs (240 pairs, batch 4)",
          {"refine": True, "quant_aware": True, "lambda_alpha": 0.0, "lambda_A": 0.0, "lambda_kl": 1.0,
           "samples": 240, "batch_size": 4, "peak_lr": 1e-3, "module": {"bits": 4}})):
-    register(System(_name, "trained", _desc, regime="kvzip", overlay={"train": _train}, default=False,
-                    refines="kvzip_fit_qa@int4"))
+    register(System(_name, "trained", _desc, regime="recon_fit", overlay={"train": _train}, default=False,
+                    refines="recon_fit_qa@int4"))
 
 
 # The β-free refit at the bits of an int4/int8 run: what `nectar serve RUN --engine vllm` serves for a module
-# that is not plain KV (nectar/serving/vllm_export.py), as many pairs as the bytes buy (opt-in: the row of
+# that is not plain KV (nectar/serving/engines/vllm_export.py), as many pairs as the bytes buy (opt-in: the row of
 # that served state; vLLM holds the pairs at its KV dtype).
 for _bits in (8, 4):
     register(System(f"attention_matching_kv@int{_bits}", "baseline", f"{SYSTEMS['attention_matching_kv'].description}, "
                     f"stored at int{_bits} (fp16 scale and zero per 64 values), as many pairs as the bytes buy",
-                    baseline="attention_matching_kv", bits=_bits, default=False))
+                    method="attention_matching_kv", bits=_bits, default=False))
 
 
 # The run's own states (issue 39): compared in every ``nectar compare RUN`` that has them, with the time the
 # pipeline took to each (the first: chunk → first; the refined: every stage through promote).
 RUN_STATES: dict[str, tuple[str, str]] = {  # system name → (stage holding it, description)
     "run:first": ("first", "this run's first state: keys chosen by reconstructing the document alone, closed-form "
-                  "β and values, no LLM server (the first stage; kvzip_fit on reconstruction queries)"),
+                  "β and values, no LLM server (the first stage; recon_fit on reconstruction queries)"),
     "run:refined": ("train", "this run's refined state: the train stage's, made after self-study"),
 }
 
@@ -214,41 +221,36 @@ def run_states(stages_done: set[str]) -> list[System]:
             if stage in stages_done]
 
 
-def baselines_available() -> bool:
-    """Whether this checkout has the closed-form baselines (``nectar.baselines.fit_baseline``)."""
+def methods_available() -> bool:
+    """Whether this checkout has the state methods a baseline system fits (``nectar.states``)."""
     try:
-        from .. import baselines
+        from .. import states
     except ImportError:
         return False
-    return hasattr(baselines, "fit_baseline")
+    return hasattr(states, "get_method")
 
 
 def kvpress_systems(name: str) -> list[System]:
-    """``kvpress:<press>[:int8|:int4]`` (or ``kvpress:all[:bits]``) → its systems; one-line errors
-    for unknown presses and for presses that need a model-hub download (listed, never dropped)."""
-    press, _, precision = name[len(KVPRESS_PREFIX):].partition(":")
-    if precision and precision not in KVPRESS_BITS:
-        raise ConfigError(f"system {name!r}: precision {precision!r} is not one of {', '.join(KVPRESS_BITS)} "
-                          "(leave it out for float32)")
-    if press in UNAVAILABLE:
-        raise ConfigError(f"system {name!r} is unavailable offline: {UNAVAILABLE[press]}")
-    if press != "all" and press not in PRESSES:
-        raise ConfigError(f"unknown kvpress press {press!r}; the presses are {', '.join(PRESSES)} (or all); "
-                          f"unavailable offline: {', '.join(UNAVAILABLE)}")
-    suffix = f":{precision}" if precision else ""
-    return [System(f"{KVPRESS_PREFIX}{p}{suffix}", "kvpress", PRESSES[p][3], press=p,
-                   bits=KVPRESS_BITS.get(precision, 32)) for p in (PRESSES if press == "all" else [press])]
+    """``kvpress:<press>[:int8|:int4]`` (or ``kvpress:all[:bits]``) → its systems: the registry's kvpress
+    adapter family parses the name (one-line errors for unknown presses and for presses that need a
+    model-hub download: listed, never dropped)."""
+    try:
+        presses = KvpressPress.parse(name)
+    except PressNameError as exc:
+        raise ConfigError(str(exc)) from None
+    return [System(p.key, "kvpress", p.description, press=p.press, bits=p.bits) for p in presses]
 
 
 def resolve(names: list[str] | None) -> list[System]:
     """The requested systems in registry order, then the kvpress ones asked for (``kvpress:…``).
     ``None`` means every registered system this checkout can run (the baselines only when
-    ``nectar.baselines`` is there; kvpress only by name); a name asked for must exist and run."""
+    ``nectar.states`` is there; kvpress only by name); a name asked for must exist and run. An old
+    name is read as its new one (nectar/schemas/renamed.py)."""
     if names is None:
-        ok = baselines_available()
+        ok = methods_available()
         return [s for s in SYSTEMS.values() if s.default and (s.kind != "baseline" or ok)]
     presses = [s for n in names if n.startswith(KVPRESS_PREFIX) for s in kvpress_systems(n)]
-    names = [n for n in names if not n.startswith(KVPRESS_PREFIX)]
+    names = [renamed("system", n) for n in names if not n.startswith(KVPRESS_PREFIX)]
     unknown = [n for n in names if n not in SYSTEMS]
     if unknown:
         raise ConfigError(f"unknown system {unknown[0]!r}; the systems are {', '.join(SYSTEMS)} and "
@@ -256,9 +258,9 @@ def resolve(names: list[str] | None) -> list[System]:
     wanted = set(names)
     chosen = [s for s in SYSTEMS.values() if s.name in wanted]
     missing = [s.name for s in chosen if s.kind == "baseline"]
-    if missing and not baselines_available():
+    if missing and not methods_available():
         raise ConfigError(f"system {missing[0]!r} is a closed-form baseline and this checkout has no "
-                          "nectar.baselines.fit_baseline; update the code or leave it out of --systems")
+                          "nectar.states; update the code or leave it out of --systems")
     return chosen + list({s.name: s for s in presses}.values())
 
 
@@ -314,3 +316,11 @@ def trained_config(run_config: PipelineConfig, system: System, rho: float) -> Pi
     data = deep_merge(data, system.overlay)
     data["train"]["module"]["rho"] = rho
     return PipelineConfig.model_validate(data)
+
+
+def system_method(system: System, module: ModuleConfig) -> StateMethod:
+    """A baseline system's state method: the registry's, with the run's settings for it
+    (``train.module``) and the system's own switches (``options``)."""
+    if system.kind != "baseline":
+        raise ValueError(f"system {system.name!r} is not fitted by a state method")
+    return get_method(system.method).configured(module).with_options(**system.options)

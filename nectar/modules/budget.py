@@ -161,7 +161,7 @@ def quadrature_head_bytes(pairs: int, head_dim: int, bias: bool, bits: int, grou
 
 
 def ragged_beta_bits(bits: int) -> int:
-    """Storage bits of the β of a state whose heads differ in width (KVzip-style selection): float32 at
+    """Storage bits of the β of a state whose heads differ in width (recon_fit's selection): float32 at
     32, bf16 below. β is one value a pair against 2d for (W, Z), so bf16 costs ~2 % of an int4 pair,
     while an int4 step over a log-mass range of ~30 (β down to log 1e-12) would scale masses by e."""
     return 32 if bits == 32 else 16

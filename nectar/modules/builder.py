@@ -42,7 +42,7 @@ class ModulePlan:
     quad_bias: bool = False  # quadrature: a log-mass bias β per pair (p = P / (2d + 1))
     bits: int = 32  # parameters stored at 32 (float32) or 8/4/2 bits per value (nectar/quantization.py)
     quant_group: int = 64  # values per fp16 (scale, zero) along each parameter's last dim
-    # quadrature with heads of different widths (nectar/baselines/kvzip.py): the real pairs of every
+    # quadrature with heads of different widths (nectar/states/recon_fit.py): the real pairs of every
     # (layer, KV head); quad_pairs[ℓ] is then the widest head and the others' slots are masked (β = −inf)
     quad_head_pairs: tuple[tuple[int, ...], ...] = ()
     quad_bias_stored: bool = True  # False: β only masks those slots (exact KV kept), it stores nothing

@@ -6,7 +6,7 @@ i.e. attention over a small virtual KV cache. β is an optional per-pair log-mas
 Matching's β, Zweiger et al. 2026): one stored key can then stand for many document keys, so a
 compacted cache with biases is this same state form. Without β it is the paper's quadrature. The
 score is closed-form from (W, β), so the paper sets λα = 0 for this family. W, Z start as p rows of
-each head's document keys/values (or a closed-form fit, ``nectar.baselines``), so with p = n and
+each head's document keys/values (or a closed-form fit, ``nectar.states``), so with p = n and
 β = 0 the module *is* the document's exact attention state.
 """
 from __future__ import annotations

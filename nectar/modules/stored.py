@@ -10,7 +10,7 @@ the comparison reports and the budget is set by, equal to the sum of ``stored_te
 A closed-form (quadrature) module never reads the normalisation buffers, so they are not stored for it
 (at 1 % of a SmolLM2 document's KV they would be 7 % of the bytes); files that hold them still load.
 
-A quadrature module whose heads differ in width (``module.head_pairs``, KVzip-style selection) stores
+A quadrature module whose heads differ in width (``module.head_pairs``, recon_fit's selection) stores
 each layer's REAL pairs back to back — ``layers.ℓ.W`` / ``.Z`` as [Σ_h c_h, d] rows (codes at ``bits``
 < 32, each row quantized along d on its own), ``layers.ℓ.beta`` as [Σ_h c_h] (float32, or bf16 below 32
 bits: ``budget.ragged_beta_bits``; left out when β only masks, ``bias_stored`` False) — so the masked
@@ -239,7 +239,7 @@ def stored_tensors(module: NectarModule) -> dict[str, torch.Tensor]:
 
 def stored_nbytes(module: NectarModule, plan: ModulePlan | None = None) -> int:
     """Bytes of ``stored_tensors(module)``, counted from shapes (no quantization pass). With heads of
-    different widths (``module.head_pairs``, KVzip-style selection) only each head's real pairs
+    different widths (``module.head_pairs``, recon_fit's selection) only each head's real pairs
     count, not the masked slots that pad a layer to its widest head. (``plan``: unused, kept for
     callers that pass it; the module carries its widths.)"""
     if is_ragged(module):

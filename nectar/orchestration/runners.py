@@ -11,6 +11,7 @@ from .. import integrity
 from .executor import RunDir, StageOutcome, check_stage, run_stage
 from ..schemas.artifacts import ChunkRow, DatasetRow, PairRow
 from ..schemas.config import STAGES
+from ..states import init_method
 from ..tables import ArtifactError, read_table
 from .context import (SHARED_DATA_STAGES, Progress, RunContext, StageInputError, doc_kv_meta, load_base,
                       load_run_doc_kv)
@@ -130,13 +131,19 @@ def llm_record(backend: Any, llm_cfg: Any) -> dict[str, Any]:
                          "max_new_tokens": llm_cfg.max_new_tokens, "structured_output": llm_cfg.structured_output}}
 
 
+def _init_reads_document(cfg) -> bool:
+    """Whether the train stage's module starts from a state method that reads the document (recon_fit)."""
+    method = init_method(cfg.train.module.init)
+    return method is not None and method.reads_document
+
+
 def _stage_config(ctx: RunContext, stage: str) -> dict[str, Any]:
     cfg = ctx.config
     own = getattr(cfg, stage).cache_dict() if stage in ("chunk", "synthesize", "verify", "targets",
                                                         "train", "evaluate", "first") else {}
     # Stages that run the base model depend on it too.
     out = {stage: own, "model": cfg.model.cache_dict()}
-    if (stage == "train" and cfg.train.module.init == "kvzip") or stage == "first":  # keys chosen by reconstruction
+    if (stage == "train" and _init_reads_document(cfg)) or stage == "first":  # keys chosen by reconstruction
         out["recon"] = {"recon": cfg.targets.recon.cache_dict(), "probes": cfg.targets.probes.cache_dict()}
     if stage == "first":  # its bytes are the train module's
         out["module"] = cfg.train.module.cache_dict()
@@ -289,7 +296,7 @@ def run_train(ctx: RunContext, force: bool = False) -> StageOutcome:
         online = open_targets(targets_zarr_url(targets))[1].mode == "online"
         doc_kv = load_run_doc_kv(ctx) if ctx.config.train.module.arch == "quadrature" or online else None
         spans = None
-        if ctx.config.train.module.init == "kvzip":
+        if _init_reads_document(ctx.config):
             spans = [(r.instruction, r.response) for r in make_recon(ctx.text, ctx.config.targets.recon,
                                                                      ctx.config.targets.probes)]
         counts = train(targets, ctx.config.train, base, doc_kv, url,

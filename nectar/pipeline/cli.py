@@ -63,7 +63,7 @@ def run(
                    "a corpus, one run each under --runs, finished ones skipped, failed ones retried."),
     preset: str = typer.Option("cpu", help="tiny | cpu | paper"),
     config: Optional[str] = typer.Option(None, "--config", help="YAML file of overrides."),
-    regime: Optional[str] = typer.Option(None, help="regression | mixed | distill | cartridges | matching"),
+    regime: Optional[str] = typer.Option(None, help="regression | mixed | distill | cartridges | matching | recon_fit"),
     set_: list[str] = typer.Option([], "--set", help="Override, e.g. --set train.module.rho=0.05"),
     run_dir: Optional[str] = typer.Option(None, "--run-dir", help="Run directory (default runs/<doc-id>/<run-id>)."),
     from_stage: Optional[str] = typer.Option(None, "--from", help="Re-run this stage and everything after it."),
@@ -250,7 +250,8 @@ def compare(
     systems: Optional[str] = typer.Option(
         None, "--systems", help="Comma-separated subset (default: every system but the opt-in matching@int8/int4: "
                                 "none, full, regression, mixed, distill, cartridges, matching, truncate, evict, "
-                                "attention_matching, and each baseline @int8 and @int4); kvpress presses by name: "
+                                "attention_matching, recon_select, recon_fit, and each baseline @int8 and @int4); "
+                                "kvpress presses by name: "
                                 "kvpress:kvzip, kvpress:snapkv, …, kvpress:all, with :int8 / :int4 for quantized "
                                 "keys and values (run in a venv of their own, built on first use). The run's own "
                                 "states (run:first, run:refined) are always compared when it has them."),

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from .base import FrozenConfig, added_setting, resource
+from .renamed import renamed
 
 SynthesisTask = Literal["qa", "summarization", "quoting", "paraphrasing"]
 TASK_TYPES: tuple[SynthesisTask, ...] = ("qa", "summarization", "quoting", "paraphrasing")
@@ -205,7 +206,8 @@ class TargetsConfig(FrozenConfig):
 
 
 class SelectionConfig(FrozenConfig):
-    """Which document keys a quadrature state keeps (nectar/baselines/kvzip.py, ``init: kvzip``)."""
+    """Which document keys a quadrature state keeps and how it is fitted: the settings of the
+    ``recon_fit`` state method (nectar/states/recon_fit.py, ``init: recon_fit``)."""
 
     # "global": one ranking across all layers and KV heads (KVzip); "layer": the plan's per-layer
     # budget shared by that layer's heads; "head": the plan's budget in every (layer, KV head).
@@ -217,7 +219,7 @@ class SelectionConfig(FrozenConfig):
     # queries of the closed-form fit: the reconstruction spans, or those plus the targets' train split
     fit_queries: Literal["recon", "recon+train"] = "recon+train"
     # queries whose attention ranks the keys: the reconstruction spans alone (KVzip), or also the targets'
-    # train queries — max of the two scores, each divided by its value at the budget's cut (kvzip.py)
+    # train queries — max of the two scores, each divided by its value at the budget's cut (reconstruction.py)
     score_queries: Literal["recon", "recon+train"] = added_setting("recon")
     # below 32 bits: fit β to the keys as stored and the values to those keys and β as stored (else
     # fit in float, then round)
@@ -232,7 +234,7 @@ class FirstConfig(FrozenConfig):
 
     enabled: bool = True
     bits: Literal[32, 8, 4, 2] = 4  # storage precision of the kept keys and values (β bf16 below 32)
-    # kvzip_fit: ranked and fitted on the reconstruction queries only (no question exists yet)
+    # recon_fit: ranked and fitted on the reconstruction queries only (no question exists yet)
     select: SelectionConfig = SelectionConfig(fit_queries="recon", score_queries="recon")
     seed: int = 0
     # promote: the refined state goes live when its recovered KL on the held-out pairs (test + probes,
@@ -252,14 +254,20 @@ class ModuleConfig(FrozenConfig):
     # quadrature only: a log-mass bias β per (W, Z) pair (Attention Matching's state form)
     bias: bool = False
     # quadrature only: how (W, Z, β) start — the first p document rows, the p most-attended rows per
-    # head (evict), or those rows with fitted β and values (attention_matching); see nectar.baselines
-    init: Literal["first", "evict", "attention_matching", "kvzip"] = "first"
-    select: SelectionConfig = added_setting(SelectionConfig())  # init "kvzip": selection and fit
+    # head (evict), those rows with fitted β and values (attention_matching), or keys chosen by
+    # reconstructing the document with β and values fitted (recon_fit); see nectar.states
+    init: Literal["first", "evict", "attention_matching", "recon_fit"] = "first"
+    select: SelectionConfig = added_setting(SelectionConfig())  # init "recon_fit": selection and fit
     # storage precision of the module's parameters: 32 = float32; 8/4/2 = asymmetric integer codes with
     # an fp16 scale and zero per group of ``quant_group`` values (nectar/quantization.py). ρ stays a share
     # of the float32 document KV's BYTES, so a lower precision buys more pairs / a wider network.
     bits: Literal[32, 8, 4, 2] = added_setting(32)
     quant_group: int = added_setting(64, ge=4)
+
+    @field_validator("init", mode="before")
+    @classmethod
+    def _renamed_init(cls, value: Any) -> Any:  # init: kvzip (old configs, run.json) is read as recon_fit
+        return renamed("init", value) if isinstance(value, str) else value
 
 
 # Settings that no longer exist, and why: a config that sets one is refused with this reason
@@ -280,8 +288,8 @@ class TrainConfig(FrozenConfig):
     # SmolLM2, which makes any λKL negligible). See docs/configuration.md.
     regression_scale: Literal["mean", "sum"] = "mean"
     samples: int = 1_000_000  # total sample budget (query tokens for regression, pairs for KL)
-    # False: a closed-form quadrature init (attention_matching, evict, kvzip) IS the state — saved
-    # without gradient steps (a quantized kvzip state keeps its quantization-aware fit)
+    # False: a closed-form quadrature init (attention_matching, evict, recon_fit) IS the state — saved
+    # without gradient steps (a quantized recon_fit state keeps its quantization-aware fit)
     refine: bool = added_setting(True)
     # below 32 bits: gradient steps see the parameters as stored — rounded onto their grid in every
     # forward, straight-through gradient to float parameters rounded once more when saved

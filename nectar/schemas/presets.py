@@ -15,6 +15,7 @@ import yaml
 from pydantic import ValidationError
 
 from .config import REMOVED_KEYS, PipelineConfig
+from .renamed import renamed
 
 
 class ConfigError(ValueError):
@@ -81,7 +82,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         },
         "targets": {"top_k": 32, "max_query_tokens": 384, "dtype": "float32",
                     "chunk_tokens": 64, "shard_tokens": 1024},
-        # The default module is the ``kvzip`` regime with the QA selection lever (kvzip_fit_qa@int4 in
+        # The default module is the ``recon_fit`` regime with the QA selection lever (recon_fit_qa@int4 in
         # `nectar compare`): reconstruction + train-query selected keys, quantization-aware closed-form
         # fit, int4, no gradient steps, reconstructing the whole document (targets.recon.withheld_fraction
         # 0). At 5 % and 1 % of the KV's bytes it beats kvpress's KVzip+int4 on probes and test, on both
@@ -89,7 +90,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         # samples/batch/lr stay for the regimes that train (matching, …).
         "train": {"samples": 60_000, "batch_size": 64, "eval_every": 100, "checkpoint_every": 100, "peak_lr": 1e-3,
                   "refine": False,
-                  "module": {"rho": 0.05, "arch": "quadrature", "bias": True, "init": "kvzip", "bits": 4,
+                  "module": {"rho": 0.05, "arch": "quadrature", "bias": True, "init": "recon_fit", "bits": 4,
                              "select": {"score_queries": "recon+train"}}},
         # The paper generates 196 tokens for non-QA tasks; on two CPU cores that dominates the
         # whole DAG, so the demo caps generations at 96 and judges 6 samples per split.
@@ -122,10 +123,10 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 # Loss regimes of the paper's sweep (App. A.4); applied on top of a preset with --regime.
 # Each regime names the module family it trains, so a preset whose default is another family (the
-# cpu preset's default is the int4 ``kvzip`` state) still gets an MLP under ``--regime mixed``.
+# cpu preset's default is the int4 ``recon_fit`` state) still gets an MLP under ``--regime mixed``.
 _MLP = {"arch": "mlp", "bias": False, "init": "first", "bits": 32}
 # every regime names its storage precision and whether it trains, so a preset whose default is a
-# quantized closed-form state (``kvzip``) does not hand its int4 / no-training settings to the others
+# quantized closed-form state (``recon_fit``) does not hand its int4 / no-training settings to the others
 _TRAINS = {"refine": True}
 REGIMES: dict[str, dict[str, Any]] = {
     "regression": {"train": {**_TRAINS, "lambda_alpha": 0.1, "lambda_A": 1.0, "lambda_kl": 0.0, "module": _MLP}},
@@ -133,16 +134,17 @@ REGIMES: dict[str, dict[str, Any]] = {
     "distill": {"train": {**_TRAINS, "lambda_alpha": 0.0, "lambda_A": 0.0, "lambda_kl": 1.0, "module": _MLP}},
     "cartridges": {"train": {**_TRAINS, "lambda_alpha": 0.0, "lambda_A": 0.0, "lambda_kl": 1.0,
                              "module": {"arch": "quadrature", "bias": False, "init": "first", "bits": 32}}},
-    # Attention Matching's closed form (nectar.baselines) as the start, refined by the regression
+    # Attention Matching's closed form (nectar.states) as the start, refined by the regression
     # loss on the captured targets; a small learning rate keeps the fit it starts from.
     "matching": {"train": {**_TRAINS, "lambda_alpha": 0.1, "lambda_A": 1.0, "lambda_kl": 0.0, "peak_lr": 1e-3,
                            "module": {"arch": "quadrature", "bias": True, "init": "attention_matching",
                                       "bits": 32}}},
-    # KVzip-style selection (reconstruction spans, one budget across layers and KV heads, sinks), the
-    # closed-form β and values fitted to the keys as stored, kept keys and values at int4 (β bf16):
-    # ~7x the pairs of float32 in the same bytes; no gradient steps (nectar/baselines/kvzip.py)
-    "kvzip": {"train": {"refine": False,
-                        "module": {"arch": "quadrature", "bias": True, "init": "kvzip", "bits": 4,
+    # recon_fit (formerly ``kvzip``): keys selected by reconstructing the document (KVzip's context
+    # reconstruction: spans, one budget across layers and KV heads, sinks), the closed-form β and values
+    # fitted to the keys as stored, kept keys and values at int4 (β bf16): ~7x the pairs of float32 in
+    # the same bytes; no gradient steps (nectar/states/recon_fit.py)
+    "recon_fit": {"train": {"refine": False,
+                        "module": {"arch": "quadrature", "bias": True, "init": "recon_fit", "bits": 4,
                                    "select": {"score_queries": "recon+train"}}}},
 }
 
@@ -159,6 +161,7 @@ PRESET_REGIMES: dict[str, dict[str, dict[str, Any]]] = {
 
 def regime_overlay(preset: str, regime: str) -> dict[str, Any]:
     """The settings ``--regime`` (or a sweep's ``regime=`` axis) applies on top of ``preset``."""
+    regime = renamed("regime", regime)
     if regime not in REGIMES:
         raise ConfigError(f"unknown regime {regime!r}; choose one of {sorted(REGIMES)}")
     return copy.deepcopy(deep_merge(REGIMES[regime], PRESET_REGIMES.get(preset, {}).get(regime, {})))

@@ -8,7 +8,8 @@ chunk → reconstruction targets → fit, as kvpress's KVzip needs only the docu
 prefilled once, its reconstruction spans (nectar/queries/recon.py) are run against its exact KV to
 score every key and capture (q, α, A) of the span tokens, the best keys of all layers and KV heads are
 kept under the train module's byte budget, and β and the values are fitted in closed form to the
-keys as stored (``kvzip_fit@int4`` of ``nectar compare``; nectar/baselines/kvzip.py). No question
+keys as stored (the ``recon_fit`` state method, ``recon_first@int4`` of ``nectar compare``;
+nectar/states/recon_fit.py). No question
 about the document exists yet; the promote stage later swaps in the refined state (fitted with the
 self-study questions too) when it is better on the run's held-out pairs.
 """
@@ -18,20 +19,20 @@ import dataclasses
 import time
 
 from ..base_model import BaseLM
-from ..baselines import fit_kvzip
 from ..layout import build_layout, check_fits
 from ..modules.builder import ModulePlan, plan_from_config
 from ..modules.io import make_spec, save_module
 from ..schemas.config import FirstConfig, ModuleConfig, ReconConfig, ProbesConfig
 from ..queries.recon import make_recon
+from ..states import fit_recon
 
 FIRST_OUTPUTS = ["module.safetensors", "module.json"]
 
 
 def first_plan(train_module: ModuleConfig, cfg: FirstConfig, base: BaseLM, n_context: int) -> ModulePlan:
     """The bytes the first state's selection allocates: the train module's plan (its ρ of the float32
-    document KV), its kept pairs stored at ``cfg.bits`` — what ``nectar compare`` sizes kvzip_fit@int4
-    by (baselines/kvzip_baseline.py ``KVzip.plan``), so the two states weigh the same."""
+    document KV), its kept pairs stored at ``cfg.bits`` — what ``nectar compare`` sizes recon_fit@int4
+    by (states/recon_fit.py ``ReconFit.plan``), so the two states weigh the same."""
     plan = plan_from_config(train_module, base.num_layers, base.num_kv_heads, base.head_dim, n_context, base.scaling)
     return dataclasses.replace(plan, bits=cfg.bits)
 
@@ -49,10 +50,10 @@ def first_state(base: BaseLM, text: str, cfg: FirstConfig, train_module: ModuleC
     start = time.perf_counter()
     doc_kv = prefill_document(base, layout.context_ids)  # keys/values [Hkv, n, d] per layer
     timings["prefill_s"] = time.perf_counter() - start
-    # the spans the train stage's kvzip state reconstructs (the same withheld blocks, if any)
+    # the spans the train stage's recon_fit state reconstructs (the same withheld blocks, if any)
     spans = [(s.instruction, s.response) for s in make_recon(text, recon, probes)]
     plan = first_plan(train_module, cfg, base, layout.n)
-    fitted = fit_kvzip(base, layout, text, doc_kv, None, plan, cfg.select, spans, cfg.seed, timings=timings)
+    fitted = fit_recon(base, layout, text, doc_kv, None, plan, cfg.select, spans, cfg.seed, timings=timings)
     start = time.perf_counter()
     module = fitted.module.cpu().eval()
     spec = make_spec(module, fitted.plan, base.name, base.weights_hash, doc_sha256, base.num_q_heads,

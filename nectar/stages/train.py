@@ -27,7 +27,7 @@ def train(
     out_url: str,
     progress: Callable[[int, int], None] | None = None,
     stop_after: int | None = None,  # stop (as if killed) after this many steps; for tests
-    document: str | None = None,  # init kvzip: the document text …
+    document: str | None = None,  # init recon_fit: the document text …
     spans: list[tuple[str, str]] | None = None,  # … and its reconstruction spans (nectar/queries/recon.py)
 ) -> dict:
     """Train, write the module, spec and log into ``out_url``; return the stage counts."""

@@ -7,8 +7,6 @@ import contextlib
 from typing import Callable
 
 from ..base_model import BaseLM
-from ..baselines import fit_kvzip
-from ..baselines.init import init_quadrature, training_queries
 from ..layout import build_layout
 from ..modules.builder import NectarModule, build_module, plan_from_config
 from ..modules.io import make_spec, save_module
@@ -16,6 +14,7 @@ from ..modules.stored import quantize_module_, trained_as_stored
 from ..schemas.artifacts import TargetsHeader, TrainLogRow
 from ..schemas.base import stable_hash
 from ..schemas.config import TrainConfig
+from ..states import FitInputs, init_method
 from ..tables import write_table
 from ..targets.online import OnlineTargets
 from ..targets.reader import TargetsData
@@ -68,27 +67,27 @@ def fit(targets_url: str, cfg: TrainConfig, base: BaseLM, doc_kv, out_url: str,
     keys = doc_kv.keys if doc_kv is not None and plan.arch == "quadrature" else None
     values = doc_kv.values if keys is not None else None
     module = build_module(plan, keys, values, seed=cfg.seed)
-    if plan.arch == "quadrature" and cfg.module.init == "kvzip":
-        # KVzip-style selection (+ fit) of the plan's total bytes; the plan becomes the selection's
-        # (heads of different widths), which the spec records so the module loads as trained.
-        if not (cfg.module.bias and cfg.module.select.fit):
-            raise TrainInputError("init kvzip trains the fitted log-mass biases: set train.module.bias=true and "
-                                  "train.module.select.fit=true")
-        if document is None or spans is None:
-            raise TrainInputError("init kvzip selects keys by reconstructing the document: pass the document "
-                                  "text and its reconstruction spans")
-        fitted = fit_kvzip(base, build_layout(base.tokenizer, document), document, doc_kv, data, plan,
-                           cfg.module.select, spans, cfg.seed)
-        plan, module = fitted.plan, fitted.module.train()
-    elif plan.arch == "quadrature" and cfg.module.init != "first":
-        init_quadrature(module, plan, cfg.module.init, doc_kv, training_queries(data, cfg.seed))
+    method = init_method(cfg.module.init) if plan.arch == "quadrature" else None
+    if method is not None:  # a state method's fit is the start (the plan may become its own: recon_fit's)
+        method = method.configured(cfg.module)
+        inputs = FitInputs(doc_kv, data, seed=cfg.seed)
+        if method.reads_document:
+            if document is None or spans is None:
+                raise TrainInputError(f"init {method.name} reads the document: pass the document text and its "
+                                      "reconstruction spans")
+            inputs = FitInputs(doc_kv, data, seed=cfg.seed, base=base, layout=build_layout(base.tokenizer, document),
+                               document=document, spans=tuple(spans))
+        try:
+            plan, module = method.init(plan, module, inputs)
+        except ValueError as exc:
+            raise TrainInputError(str(exc)) from exc
     if plan.normalize_targets:
         module.set_normalization(target_statistics(data, h.num_kv_heads, seed=cfg.seed))
     module = module.to(base.device)
     if not cfg.refine:
-        if plan.arch != "quadrature" or cfg.module.init == "first":
+        if method is None:
             raise TrainInputError("train.refine=false keeps a closed-form init as the state: set "
-                                  "train.module.arch=quadrature and train.module.init to evict, attention_matching or kvzip")
+                                  "train.module.arch=quadrature and train.module.init to evict, attention_matching or recon_fit")
         data.close()
         rows: list[TrainLogRow] = []
         counts: dict = {"steps": 0, "total_steps": 0, "samples": 0, "refined": False}

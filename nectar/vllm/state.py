@@ -9,7 +9,7 @@ under YaRN or llama3 scaling the frequencies are already the scaled ones, and th
 that scales cos/sin at capture is already inside the captured keys (a rotation keeps it).
 
 Which state (``nectar.serving.engines.vllm_export``): the run's trained module when it is plain KV
-already, else the β-free refit ``attention_matching_kv`` (``nectar.baselines``) at the run's budget
+already, else the β-free refit ``attention_matching_kv`` (``nectar.states``) at the run's budget
 ρ. The file (``nectar.vllm.format``) sits in ``<run>/vllm/`` with ``state.json`` naming its sha256.
 """
 from __future__ import annotations

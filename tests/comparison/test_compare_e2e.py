@@ -10,7 +10,7 @@ import pytest
 
 from nectar import comparison, orchestration
 from nectar.comparison.jobs import baseline_plan
-from nectar.comparison.systems import SYSTEMS, System, baselines_available
+from nectar.comparison.systems import SYSTEMS, System, methods_available
 from nectar.orchestration.executor import run_stage
 from nectar.schemas import ComparisonRow, DatasetRow, load_config
 from nectar.schemas.presets import PRESET_REGIMES
@@ -75,7 +75,7 @@ def extra_system():
 @pytest.mark.slow
 def test_compare_writes_every_system_and_split_and_reuses_training(tiny_run, extra_system):
     ctx = tiny_run
-    systems = ["none", "full", *TRAINED, "quad_regression"] + (BASELINES if baselines_available() else [])
+    systems = ["none", "full", *TRAINED, "quad_regression"] + (BASELINES if methods_available() else [])
     trained = []
     res = comparison.compare(ctx, systems, rhos=[0.1],
                              run_one=lambda c, stage, force: trained.append(orchestration.run_train(c).status))
@@ -252,14 +252,14 @@ def test_bytes_budgets_are_fractions_of_the_kv_at_its_dtype():
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # two reconstruction passes and fits on top of the fixture's run
-def test_compare_kvzip_rows_carry_the_budget_and_a_layer_head_heat_map(tiny_run):
+def test_compare_recon_rows_carry_the_budget_and_a_layer_head_heat_map(tiny_run):
     ctx = tiny_run
-    res = comparison.compare(ctx, ["none", "full", "evict", "kvzip_select", "kvzip_fit"])
+    res = comparison.compare(ctx, ["none", "full", "evict", "recon_select", "recon_fit"])
     by = {(r.system, r.split): r for r in res.rows}
     plan = baseline_plan(ctx, ctx.config.train.module.rho)
     one_pair_per_head = plan.num_layers * plan.num_kv_heads * (2 * plan.head_dim + 1) * 4
     for split in ("test", "probes"):
-        for s in ("kvzip_select", "kvzip_fit"):
+        for s in ("recon_select", "recon_fit"):
             r = by[(s, split)]
             assert r.kind == "baseline" and r.kl_ci_low - 1e-9 <= r.kl_to_full <= r.kl_ci_high + 1e-9
             # the same budget as per-head eviction (masked slots count nothing), up to its per-head rounding

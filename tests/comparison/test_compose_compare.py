@@ -54,16 +54,16 @@ def test_prompts_read_each_document_and_both(two_runs):
 @pytest.mark.slow
 def test_compare_composed_writes_rows_for_every_layout_and_part(two_runs, tmp_path):
     out = tmp_path / "out"
-    res = compare_composed(list(two_runs), str(out), ["none", "full", "kvzip_fit@int4"], rhos=[0.2],
+    res = compare_composed(list(two_runs), str(out), ["none", "full", "recon_fit@int4"], rhos=[0.2],
                            per_doc=6, both=3, log=lambda _: None)
     rows = read_table(str(out / "comparison.parquet"), ComparisonRow)
     systems = {r.system for r in rows}
-    assert {"none", "full", "compose[concat]:kvzip_fit@int4", "compose[concat+once]:kvzip_fit@int4",
-            "compose[own]:kvzip_fit@int4", "compose[longest]:kvzip_fit@int4", "alone:varn:kvzip_fit@int4",
-            "alone:kell:kvzip_fit@int4"} <= systems
+    assert {"none", "full", "compose[concat]:recon_fit@int4", "compose[concat+once]:recon_fit@int4",
+            "compose[own]:recon_fit@int4", "compose[longest]:recon_fit@int4", "alone:varn:recon_fit@int4",
+            "alone:kell:recon_fit@int4"} <= systems
     assert {r.split for r in rows} >= {"probes", "probes:varn", "probes:kell", "both"}
     by = {(r.system, r.split): r for r in rows}
-    composed, alone = by[("compose[concat]:kvzip_fit@int4", "probes")], by[("alone:varn:kvzip_fit@int4", "probes")]
+    composed, alone = by[("compose[concat]:recon_fit@int4", "probes")], by[("alone:varn:recon_fit@int4", "probes")]
     assert composed.state_bytes > alone.state_bytes > 0  # the composition holds both documents' states
     assert by[("full", "probes")].kl_to_full == pytest.approx(0.0, abs=1e-6)
     info = json.loads((out / "info.json").read_text())

@@ -1,7 +1,7 @@
 """The system registry, trained systems' configurations, and the comparison row schema."""
 import pytest
 
-from nectar.baselines import BASELINES
+from nectar.states import METHODS
 from nectar.comparison import SYSTEMS, System, register, resolve, trained_config
 from nectar.schemas import ComparisonRow, ConfigError, load_config
 from nectar.tables import ArtifactError, read_table, write_table
@@ -9,30 +9,30 @@ from nectar.tables import ArtifactError, read_table, write_table
 
 def test_registry_holds_the_issue_systems_once_each():
     quantized = [f"{b}@int{bits}" for bits in (8, 4) for b in ("truncate", "evict", "attention_matching", "matching")]
-    kvzip_quantized = [f"{b}@int{bits}" for bits in (8, 4)
-                       for b in ("kvzip_fit", "kvzip_select", "kvzip_fit_qa", "kvzip_fit_float")]
-    assert list(SYSTEMS) == ["none", "full", "regression", "mixed", "distill", "cartridges", "matching", "kvzip", "truncate",
-                             "evict", "attention_matching", "attention_matching_kv", "kvzip_select", "kvzip_select_layer",
-                             "kvzip_select_mean", "kvzip_fit", "kvzip_fit_layer", "kvzip_fit_recon",
-                             "kvzip_fit_nosink", "kvzip_fit_template", "kvzip_fit_qa", "kvzip_train", "kvzip_train_recon",
-                             "kvzip_distill", *quantized, *kvzip_quantized, "kvzip_first@int4",
-                                 "kvzip_train_qa@int4", "kvzip_train_qa_fast@int4", "kvzip_train_qa_float@int4", "kvzip_distill_qa@int4",
+    recon_quantized = [f"{b}@int{bits}" for bits in (8, 4)
+                       for b in ("recon_fit", "recon_select", "recon_fit_qa", "recon_fit_float")]
+    assert list(SYSTEMS) == ["none", "full", "regression", "mixed", "distill", "cartridges", "matching", "recon_fit_regime", "truncate",
+                             "evict", "attention_matching", "attention_matching_kv", "recon_select", "recon_select_layer",
+                             "recon_select_mean", "recon_fit", "recon_fit_layer", "recon_fit_recon",
+                             "recon_fit_nosink", "recon_fit_template", "recon_fit_qa", "recon_train", "recon_train_recon",
+                             "recon_distill", *quantized, *recon_quantized, "recon_first@int4",
+                                 "recon_train_qa@int4", "recon_train_qa_fast@int4", "recon_train_qa_float@int4", "recon_distill_qa@int4",
                              "attention_matching_kv@int8", "attention_matching_kv@int4"]
     assert {s.name for s in SYSTEMS.values() if s.kind == "reference"} == {"none", "full"}
     for s in SYSTEMS.values():
         name, _, precision = s.name.partition("@")
         assert s.bits == (int(precision.removeprefix("int")) if precision and s.kind == "baseline" else 32)
-        if s.kind == "trained":  # a regime's own system (at a precision), or kvzip's state refined under one
+        if s.kind == "trained":  # a regime's own system (at a precision), or recon_fit's state refined under one
             module = s.overlay.get("train", {}).get("module", {})
-            assert s.regime in (name, "kvzip") or module["init"] == "kvzip"
+            assert s.regime in (name, "recon_fit") or module["init"] == "recon_fit"
             assert module.get("bits", 32) == (int(precision[3:]) if precision else 32)
         if s.kind == "baseline":
-            assert s.baseline in (*BASELINES, "kvzip")  # a name fit_baseline (or fit_kvzip) accepts
+            assert s.method in METHODS  # a state method of the registry
     # default: every system this checkout can run, but the ablations and the opt-in quantized trained
     # ones (a training each)
     assert [s.name for s in resolve(None)] == [n for n in SYSTEMS if not n.startswith(("matching@", "attention_matching_kv@"))
-                                               and n != "kvzip" and (n in ("kvzip_select", "kvzip_fit", "kvzip_fit@int8", "kvzip_fit@int4", "kvzip_fit_qa@int4")
-        or not n.startswith("kvzip"))]
+                                               and n != "recon_fit_regime" and (n in ("recon_select", "recon_fit", "recon_fit@int8", "recon_fit@int4", "recon_fit_qa@int4")
+        or not n.startswith("recon"))]
     assert [s.name for s in resolve(["evict", "none"])] == ["none", "evict"]  # registry order
     with pytest.raises(ConfigError, match="unknown system 'x'"):
         resolve(["x"])
@@ -50,8 +50,8 @@ def test_a_trained_system_is_the_preset_regime_whatever_the_run_used():
     mixed_run = load_config("cpu", regime="mixed")
     reg = trained_config(mixed_run, SYSTEMS["regression"], 0.05)
     assert reg.train == load_config("cpu", regime="regression").train  # not the mixed run's 240-pair budget and lr
-    default = load_config("cpu")  # the cpu preset's default: the kvzip regime (int4, no gradient steps)
-    assert trained_config(mixed_run, SYSTEMS["kvzip"], 0.05).train == default.train
+    default = load_config("cpu")  # the cpu preset's default: the recon_fit regime (int4, no gradient steps)
+    assert trained_config(mixed_run, SYSTEMS["recon_fit_regime"], 0.05).train == default.train
     assert trained_config(mixed_run, SYSTEMS["mixed"], 0.05).train == mixed_run.train
     cart = trained_config(default, SYSTEMS["cartridges"], 0.02)
     assert cart.train.module.arch == "quadrature" and cart.train.module.rho == 0.02

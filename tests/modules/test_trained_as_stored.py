@@ -4,7 +4,7 @@ is exactly what the last forward used — for plain quadrature states and for KV
 (heads of different widths, β at bf16 with −inf masked slots)."""
 import torch
 
-from nectar.baselines.kvzip import build_selected, selection_plan
+from nectar.states.reconstruction import build_selected, selection_plan
 from nectar.modules.builder import build_module, plan_from_config
 from nectar.modules.stored import (load_stored_tensors, parameter_bits, quantize_module_, stored_tensors,
                                    trained_as_stored)

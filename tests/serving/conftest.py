@@ -63,7 +63,7 @@ def second_run(tmp_path_factory) -> str:
 
 
 # the cpu default's kind of module on the tiny model: a KVzip-fitted quadrature state stored at int4
-INT4_QUADRATURE = ("train.module.arch=quadrature", "train.module.bits=4", "train.module.init=kvzip",
+INT4_QUADRATURE = ("train.module.arch=quadrature", "train.module.bits=4", "train.module.init=recon_fit",
                    "train.module.bias=true", "train.module.rho=0.05")
 
 

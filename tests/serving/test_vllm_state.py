@@ -9,7 +9,7 @@ import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from nectar.base_model import _tiny
-from nectar.baselines import BASELINES, baseline_plan
+from nectar.states import FROM_TARGETS, method_plan
 from nectar.modules.builder import build_module, plan_from_config
 from nectar.comparison.systems import SYSTEMS
 from nectar.schemas import load_config
@@ -48,9 +48,9 @@ def _plan():
 
 
 def test_attention_matching_kv_is_uniform_bias_free_and_within_the_budget():
-    assert "attention_matching_kv" in BASELINES
+    assert "attention_matching_kv" in FROM_TARGETS
     plan = _plan()
-    kv = baseline_plan("attention_matching_kv", plan)
+    kv = method_plan("attention_matching_kv", plan)
     assert len(set(kv.quad_pairs)) == 1 and not kv.quad_bias
     stored = sum(2 * p * plan.head_dim for p in kv.quad_pairs)
     assert 0.9 * sum(plan.budgets) <= stored <= sum(plan.budgets)
@@ -59,7 +59,7 @@ def test_attention_matching_kv_is_uniform_bias_free_and_within_the_budget():
 
 
 def test_the_cpu_default_module_is_not_plain_kv_and_its_refit_is():
-    """The ``cpu`` preset's module (kvzip_fit_qa@int4: per-layer budgets, β, int4 codes) cannot be
+    """The ``cpu`` preset's module (recon_fit_qa@int4: per-layer budgets, β, int4 codes) cannot be
     cached as tokens; ``--engine vllm`` serves its β-free refit at the same budget and bits, which can."""
     cfg = load_config("cpu").train.module
     plan = plan_from_config(cfg, num_layers=4, num_kv_heads=2, head_dim=64, n_context=1528, scaling=0.125)
@@ -73,23 +73,23 @@ def test_the_cpu_default_module_is_not_plain_kv_and_its_refit_is():
     assert system == "attention_matching_kv@int4" and system in SYSTEMS  # a `nectar compare` row of its own
     name, bits = system_bits(system)
     assert (name, bits) == ("attention_matching_kv", SYSTEMS[system].bits)
-    refit = baseline_plan(name, plan, bits)
+    refit = method_plan(name, plan, bits)
     assert len(set(refit.quad_pairs)) == 1 and not refit.quad_bias and refit.bits == 4
     keys, values = plain_kv_pairs(build_module(refit))  # dequantized from the int4 codes
     assert keys[0].shape == values[0].shape == (2, refit.quad_pairs[0], 64)
     assert keys[0].dtype == torch.float32 and bool(torch.isfinite(keys[0]).all())
     # int4 buys more pairs in the same bytes than the float32 refit that compare's plain name means
-    assert refit.quad_pairs[0] > baseline_plan("attention_matching_kv", plan, 32).quad_pairs[0]
+    assert refit.quad_pairs[0] > method_plan("attention_matching_kv", plan, 32).quad_pairs[0]
     with pytest.raises(NotPlainKV, match="@int8 or @int4"):
         system_bits("attention_matching_kv@intx")
 
 
 def test_states_that_are_not_plain_kv_are_refused():
     plan = _plan()
-    evict = build_module(baseline_plan("evict", plan))  # per-layer counts follow the layer multipliers
+    evict = build_module(method_plan("evict", plan))  # per-layer counts follow the layer multipliers
     with pytest.raises(NotPlainKV, match="different layers"):
         plain_kv_pairs(evict)
-    uniform = dataclasses.replace(baseline_plan("truncate", plan), quad_bias=True)
+    uniform = dataclasses.replace(method_plan("truncate", plan), quad_bias=True)
     biased = build_module(uniform)
     with torch.no_grad():
         biased.layers[1].beta.fill_(0.5)

@@ -123,7 +123,7 @@ def test_resume_after_sigkill_reaches_the_uninterrupted_result(tiny_llama, targe
     assert counts["train_loss"] == [r for r in rb if r.split == "train"][-1].loss
 
 
-def test_kvzip_init_trains_the_selected_state_and_saves_only_its_real_pairs(tiny_llama, targets, tmp_path):
+def test_recon_fit_init_trains_the_selected_state_and_saves_only_its_real_pairs(tiny_llama, targets, tmp_path):
     from nectar.attention.exact import ExactDocState
     from nectar.modules.provider import ModuleDocState
     from nectar.schemas.config import ProbesConfig, ReconConfig
@@ -133,7 +133,7 @@ def test_kvzip_init_trains_the_selected_state_and_saves_only_its_real_pairs(tiny
     spans = [(s.instruction, s.response)
              for s in make_recon(DOC, ReconConfig(span_words=12, withheld_fraction=0.0), ProbesConfig(block_units=1))]
     cfg = CFG.model_copy(update={"samples": 32, "module": ModuleConfig(arch="quadrature", rho=0.25, bias=True,
-                                                                      init="kvzip")})
+                                                                      init="recon_fit")})
     with pytest.raises(TrainInputError, match="reconstruction spans"):
         train(url, cfg, tiny_llama, kv, str(tmp_path))
     counts = train(url, cfg, tiny_llama, kv, str(tmp_path), document=DOC, spans=spans)
@@ -149,10 +149,10 @@ def test_kvzip_init_trains_the_selected_state_and_saves_only_its_real_pairs(tiny
     assert torch.isfinite(st.out).all() and st.lse.shape == ExactDocState(kv)(0, q, tiny_llama.scaling).lse.shape
 
 
-def test_kvzip_int4_state_without_refinement_is_the_quantized_fit_saved_as_codes(tiny_llama, targets, tmp_path):
-    """train.refine=false: the train stage saves kvzip's quantization-aware fit as the state (no
+def test_recon_fit_int4_state_without_refinement_is_the_quantized_fit_saved_as_codes(tiny_llama, targets, tmp_path):
+    """train.refine=false: the train stage saves recon_fit's quantization-aware fit as the state (no
     gradient steps); its file holds the counted bytes and loads back to the fitted baseline exactly."""
-    from nectar.baselines import fit_kvzip
+    from nectar.states import fit_recon
     from nectar.layout import build_layout
     from nectar.modules.builder import plan_from_config
     from nectar.schemas.config import ProbesConfig, ReconConfig
@@ -161,7 +161,7 @@ def test_kvzip_int4_state_without_refinement_is_the_quantized_fit_saved_as_codes
     url, layout, kv, sha = targets
     spans = [(s.instruction, s.response)
              for s in make_recon(DOC, ReconConfig(span_words=12, withheld_fraction=0.0), ProbesConfig(block_units=1))]
-    mcfg = ModuleConfig(arch="quadrature", rho=0.05, bias=True, init="kvzip", bits=4)
+    mcfg = ModuleConfig(arch="quadrature", rho=0.05, bias=True, init="recon_fit", bits=4)
     cfg = CFG.model_copy(update={"refine": False, "module": mcfg})
     counts = train(url, cfg, tiny_llama, kv, str(tmp_path), document=DOC, spans=spans)
     assert counts["steps"] == 0 and counts["refined"] is False
@@ -172,15 +172,15 @@ def test_kvzip_int4_state_without_refinement_is_the_quantized_fit_saved_as_codes
     module, _ = load_module(str(tmp_path), tiny_llama, sha)
     plan = plan_from_config(mcfg, tiny_llama.num_layers, tiny_llama.num_kv_heads, tiny_llama.head_dim, layout.n,
                             tiny_llama.scaling)
-    ref = fit_kvzip(tiny_llama, build_layout(tiny_llama.tokenizer, DOC), DOC, kv, url, plan, mcfg.select, spans)
+    ref = fit_recon(tiny_llama, build_layout(tiny_llama.tokenizer, DOC), DOC, kv, url, plan, mcfg.select, spans)
     for a, b in zip(module.layers, ref.module.layers):
         assert torch.equal(a.W.cpu(), b.W) and torch.equal(a.Z.cpu(), b.Z) and torch.equal(a.beta.cpu(), b.beta)
     with pytest.raises(TrainInputError, match="refine=false"):
         train(url, CFG.model_copy(update={"refine": False}), tiny_llama, kv, str(tmp_path / "mlp"))
 
 
-def test_kvzip_int4_state_refined_as_stored_keeps_its_grid_and_moves_off_the_fit(tiny_llama, targets, tmp_path):
-    """train.quant_aware: the int4 kvzip fit refined by gradient steps that see it as stored; the saved
+def test_recon_fit_int4_state_refined_as_stored_keeps_its_grid_and_moves_off_the_fit(tiny_llama, targets, tmp_path):
+    """train.quant_aware: the int4 recon_fit fit refined by gradient steps that see it as stored; the saved
     state is on its grid (codes in the file), starts where the fit is (same step-0 held-out row) and
     differs from it after the steps."""
     from nectar.quantization import fake_quantize
@@ -190,7 +190,7 @@ def test_kvzip_int4_state_refined_as_stored_keeps_its_grid_and_moves_off_the_fit
     url, layout, kv, sha = targets
     spans = [(s.instruction, s.response)
              for s in make_recon(DOC, ReconConfig(span_words=12, withheld_fraction=0.0), ProbesConfig(block_units=1))]
-    mcfg = ModuleConfig(arch="quadrature", rho=0.05, bias=True, init="kvzip", bits=4)
+    mcfg = ModuleConfig(arch="quadrature", rho=0.05, bias=True, init="recon_fit", bits=4)
     fit_only = CFG.model_copy(update={"refine": False, "module": mcfg})
     train(url, fit_only, tiny_llama, kv, str(tmp_path / "fit"), document=DOC, spans=spans)
     qat = CFG.model_copy(update={"quant_aware": True, "samples": 64, "peak_lr": 3e-2, "module": mcfg})

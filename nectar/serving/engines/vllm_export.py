@@ -17,7 +17,7 @@ import os
 import fsspec
 import torch
 
-from ...baselines import fit_baseline
+from ...states import fit_method
 from ...integrity import hash_file
 from ...modules.builder import plan_from_config
 from ...modules.io import load_module
@@ -71,8 +71,8 @@ def export_run_state(run_dir: str, source: str | None = None, log=print) -> Expo
                                 head_dim=base.head_dim, n_context=doc_kv.n, scaling=base.scaling)
         source = source if source not in (None, "trained") else refit_system(plan.bits)
         name, bits = system_bits(source)
-        fitted = fit_baseline(name, doc_kv, ctx.stage_run("targets").url("targets"), plan, seed=ctx.config.train.seed,
-                              bits=bits)
+        fitted = fit_method(name, doc_kv, ctx.stage_run("targets").url("targets"), plan, seed=ctx.config.train.seed,
+                            bits=bits)
         keys, values = plain_kv_pairs(fitted.module)
     os.makedirs(out_dir, exist_ok=True)
     write_state(path, keys, values, base, doc_kv.n, ctx.info.sha256, source)

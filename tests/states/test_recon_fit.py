@@ -10,8 +10,8 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "training"))
 from targets_fixture import DOC, make_targets  # noqa: E402
 
 from nectar.attention.exact import ExactDocState  # noqa: E402
-from nectar.baselines import fit_kvzip  # noqa: E402
-from nectar.baselines.kvzip import allocate, anchor_mask, recon_capture, template_mask  # noqa: E402
+from nectar.states import fit_recon  # noqa: E402
+from nectar.states.reconstruction import allocate, anchor_mask, recon_capture, template_mask  # noqa: E402
 from nectar.modules import plan_module  # noqa: E402
 from nectar.schemas.config import ProbesConfig, ReconConfig, SelectionConfig  # noqa: E402
 from nectar.queries.recon import make_recon  # noqa: E402
@@ -94,7 +94,7 @@ def test_global_budget_spends_the_plans_bytes_across_heads_unevenly(tiny):
 def test_fitted_state_counts_only_real_pairs_and_masked_slots_change_nothing(tiny, fit):
     base, layout, kv, url, spans = tiny
     plan = _plan(base, layout.n, 0.2)
-    state = fit_kvzip(base, layout, DOC, kv, url, plan, SelectionConfig(fit=fit), spans)
+    state = fit_recon(base, layout, DOC, kv, url, plan, SelectionConfig(fit=fit), spans)
     per_pair = 2 * base.head_dim + (1 if fit else 0)
     total = base.num_kv_heads * sum(plan.budgets) // per_pair
     assert sum(map(sum, state.plan.quad_head_pairs)) == total
@@ -117,7 +117,7 @@ def test_keeping_every_key_with_the_fit_reproduces_the_document_state(tiny):
     base, layout, kv, url, spans = tiny
     plan = plan_module("quadrature", base.num_layers, base.num_kv_heads, base.head_dim, layout.n, base.scaling,
                        1.0, layer_multipliers=(1.0,))
-    state = fit_kvzip(base, layout, DOC, kv, url, plan, SelectionConfig(fit=False, budget="head"), spans)
+    state = fit_recon(base, layout, DOC, kv, url, plan, SelectionConfig(fit=False, budget="head"), spans)
     assert state.plan.quad_head_pairs == ((layout.n,) * base.num_kv_heads,) * base.num_layers
     exact = ExactDocState(kv, backend="torch")
     q = torch.randn(1, base.num_q_heads, 4, base.head_dim) * 3
@@ -143,9 +143,9 @@ def _file_tensor_bytes(path) -> int:
 def test_quantized_selection_buys_more_pairs_and_its_bytes_are_the_file_it_writes(tiny, tmp_path, bits, fit):
     base, layout, kv, url, spans = tiny
     plan = _plan(base, layout.n, 0.05)  # int4 pairs stay fewer than the document's keys
-    fp32 = fit_kvzip(base, layout, DOC, kv, url, plan, SelectionConfig(fit=fit), spans)
+    fp32 = fit_recon(base, layout, DOC, kv, url, plan, SelectionConfig(fit=fit), spans)
     qplan = plan.__class__(**{**plan.__dict__, "bits": bits})
-    state = fit_kvzip(base, layout, DOC, kv, url, qplan, SelectionConfig(fit=fit), spans)
+    state = fit_recon(base, layout, DOC, kv, url, qplan, SelectionConfig(fit=fit), spans)
     pairs = sum(map(sum, state.plan.quad_head_pairs))
     pair_bytes = ragged_pair_bytes(base.head_dim, fit, bits)
     assert pairs == 4 * base.num_kv_heads * sum(plan.budgets) // pair_bytes  # the bytes set the count
@@ -189,7 +189,7 @@ def test_quantization_aware_fit_beats_rounding_a_float_fit_on_its_own_queries(ti
     cap = recon_capture(base, layout, kv, spans)
     errs = {}
     for aware in (True, False):
-        st = fit_kvzip(base, layout, DOC, kv, None, qplan, SelectionConfig(fit_queries="recon", quant_aware=aware), spans)
+        st = fit_recon(base, layout, DOC, kv, None, qplan, SelectionConfig(fit_queries="recon", quant_aware=aware), spans)
         err = 0.0
         with torch.no_grad():  # the state's tensors require grad; only the error is read
             for layer in range(base.num_layers):
@@ -202,7 +202,7 @@ def test_quantization_aware_fit_beats_rounding_a_float_fit_on_its_own_queries(ti
 
 def test_ranking_by_recon_and_train_queries_keeps_keys_of_both(tiny):
     base, layout, kv, url, spans = tiny
-    from nectar.baselines.kvzip import combined_scores
+    from nectar.states.reconstruction import combined_scores
     r = torch.rand(2, 2, 50)
     t = torch.rand(2, 2, 50) * 100  # a different scale must not swamp the other ranking
     s = combined_scores(r, t, 20)
@@ -210,7 +210,7 @@ def test_ranking_by_recon_and_train_queries_keeps_keys_of_both(tiny):
     assert top & set(torch.topk(r.reshape(-1), 10).indices.tolist())
     assert top & set(torch.topk(t.reshape(-1), 10).indices.tolist())
     plan = _plan(base, layout.n, 0.2)
-    both = fit_kvzip(base, layout, DOC, kv, url, plan, SelectionConfig(score_queries="recon+train"), spans)
-    recon = fit_kvzip(base, layout, DOC, kv, url, plan, SelectionConfig(), spans)
+    both = fit_recon(base, layout, DOC, kv, url, plan, SelectionConfig(score_queries="recon+train"), spans)
+    recon = fit_recon(base, layout, DOC, kv, url, plan, SelectionConfig(), spans)
     assert sum(map(sum, both.plan.quad_head_pairs)) == sum(map(sum, recon.plan.quad_head_pairs))  # same bytes
     assert both.plan.quad_head_pairs != recon.plan.quad_head_pairs

@@ -6,7 +6,7 @@ import pytest
 import torch
 from scipy.optimize import nnls
 
-from nectar.baselines.matching_fit import RIDGE, nnls_gram
+from nectar.states.matching_fit import RIDGE, nnls_gram
 
 
 def _problem(n_queries: int, n_keys: int, kept: int, temperature: float, seed: int):

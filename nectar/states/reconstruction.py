@@ -1,6 +1,8 @@
-"""KVzip-style selection: keys scored by how much reconstructing the document attends to them, one
-budget ranked across all layers and KV heads, anchors kept exact — then, optionally, Attention
-Matching's closed-form β and values on the kept keys (what only this project adds on top).
+"""recon_fit's mechanics (recon_fit.py fits them together): keys scored by how much reconstructing the
+document attends to them — KVzip's context reconstruction (Kim et al. 2025, "KVzip: query-agnostic KV
+cache compression with context reconstruction") — one budget ranked across all layers and KV heads,
+anchors kept exact; then, optionally, Attention Matching's closed-form β and values on the kept keys
+(what this project adds on top).
 
   1. score    the reconstruction spans (nectar/queries/recon.py) run through the model against the
               exact document KV; at every layer, key j of KV head h scores its attention probability
@@ -11,7 +13,7 @@ Matching's closed-form β and values on the kept keys (what only this project ad
               key) (``global``), per layer (``layer``) or per head (``head``); anchors (first
               ``sink_tokens`` tokens, optionally every chat-template token) first, and every head
               keeps at least its best key                                         → counts [L, Hkv]
-  3. fit      (``fit``) β by NNLS and values by least squares on the kept keys (attention_matching.py),
+  3. fit      (``fit``) β by NNLS and values by least squares on the kept keys (matching_fit.py),
               on the reconstruction queries (and the targets' train queries)
 The state is a quadrature module whose layers are as wide as their widest head; a head with fewer
 keys has masked slots (β = −inf, W = Z = 0) that no query reaches and that count no bytes.
@@ -35,7 +37,7 @@ from ..modules.provider import group_queries
 from ..modules.stored import quantize_module_
 from ..quantization import fake_quantize
 from ..targets.capture import pack
-from .attention_matching import fit_log_mass, fit_values
+from .matching_fit import fit_log_mass, fit_values
 from .selection import attention_probs
 
 RECON_BATCH_TOKENS = 1024  # query tokens per scoring forward (bounds the [Hq, T, n] probabilities)

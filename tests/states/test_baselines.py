@@ -10,9 +10,9 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "training"))
 from targets_fixture import DOC, make_targets  # noqa: E402
 
 from nectar.attention.exact import ExactDocState  # noqa: E402
-from nectar.baselines import BASELINES, baseline_plan, fit_baseline, training_queries  # noqa: E402
-from nectar.baselines.matching_fit import fit_log_mass  # noqa: E402
-from nectar.baselines.selection import attention_probs  # noqa: E402
+from nectar.states import FROM_TARGETS, method_plan, fit_method, training_queries  # noqa: E402
+from nectar.states.matching_fit import fit_log_mass  # noqa: E402
+from nectar.states.selection import attention_probs  # noqa: E402
 from nectar.modules import build_module, plan_module  # noqa: E402
 from nectar.modules.stored import stored_nbytes, stored_tensors  # noqa: E402
 
@@ -29,11 +29,11 @@ def _plan(base, n, rho, arch="mlp", **kw):
                        depths=(0, 2, 2), **kw)
 
 
-@pytest.mark.parametrize("name", BASELINES)
+@pytest.mark.parametrize("name", FROM_TARGETS)
 def test_each_baseline_stores_the_budget_of_the_module_it_is_compared_with(tiny_targets, name):
     base, layout, kv, url = tiny_targets
     plan = _plan(base, layout.n, rho=0.2)
-    fitted = fit_baseline(name, kv, url, plan)
+    fitted = fit_method(name, kv, url, plan)
     d, H, L = base.head_dim, base.num_kv_heads, base.num_layers
     per_pair = 2 * d + (1 if name == "attention_matching" else 0)
     params = fitted.module.n_params()
@@ -54,14 +54,14 @@ def test_each_baseline_stores_the_budget_of_the_module_it_is_compared_with(tiny_
     assert fitted.nbytes == stored_nbytes(fitted.module) == sum(t.numel() * 4 for t in fitted.module.parameters())
 
 
-@pytest.mark.parametrize("name", BASELINES)
+@pytest.mark.parametrize("name", FROM_TARGETS)
 def test_keeping_every_key_reproduces_the_exact_document_state(tiny_targets, name):
     base, layout, kv, url = tiny_targets
     n = layout.n
     data = training_queries(url)
     assert data.q.shape[0] * (base.num_q_heads // base.num_kv_heads) > n  # enough queries to pin n masses
     plan = _plan(base, n, rho=2.0, layer_multipliers=(1.0,))  # p clamps to n: every key kept
-    fitted = fit_baseline(name, kv, url, plan)
+    fitted = fit_method(name, kv, url, plan)
     assert fitted.plan.quad_pairs == (n,) * base.num_layers
     exact = ExactDocState(kv, backend="torch")
     q = torch.randn(2, base.num_q_heads, 5, base.head_dim) * 3  # [b, hq, m, d]: fresh queries
@@ -86,28 +86,28 @@ def test_fitted_masses_match_the_captured_log_sum_exp_better_than_plain_eviction
 
 def test_baseline_plan_rejects_unknown_names(tiny_targets):
     base, layout, *_ = tiny_targets
-    with pytest.raises(ValueError, match="unknown baseline 'lru'"):
-        baseline_plan("lru", _plan(base, layout.n, rho=0.2))
+    with pytest.raises(ValueError, match="unknown state method 'lru'"):
+        method_plan("lru", _plan(base, layout.n, rho=0.2))
 
 
 def test_attention_matching_init_without_a_bias_is_refused(tiny_targets):
-    from nectar.baselines import init_quadrature
+    from nectar.states import FitInputs, get_method
 
     base, layout, kv, url = tiny_targets
     plan = _plan(base, layout.n, rho=0.2, arch="quadrature")
     with pytest.raises(ValueError, match="bias=true"):
-        init_quadrature(build_module(plan), plan, "attention_matching", kv, training_queries(url))
+        get_method("attention_matching").init(plan, build_module(plan), FitInputs(kv, url))
 
 
-@pytest.mark.parametrize("name", BASELINES)
+@pytest.mark.parametrize("name", FROM_TARGETS)
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quantized_baseline_keeps_more_entries_in_the_same_bytes(tiny_targets, name, bits):
     """At int8/int4 the byte budget of ρ buys more kept entries; the bytes reported are those of the
     tensors it stores (codes, fp16 scales and zeros, β), and stay within the float32 budget."""
     base, layout, kv, url = tiny_targets
     plan = _plan(base, layout.n, rho=0.1)
-    f32 = fit_baseline(name, kv, url, plan)
-    q = fit_baseline(name, kv, url, plan, bits=bits)
+    f32 = fit_method(name, kv, url, plan)
+    q = fit_method(name, kv, url, plan, bits=bits)
     assert q.plan.bits == bits and f32.plan.bits == 32
     assert all(pq > pf for pq, pf in zip(q.plan.quad_pairs, f32.plan.quad_pairs))
     written = stored_tensors(q.module)

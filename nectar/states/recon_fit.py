@@ -1,0 +1,141 @@
+"""recon_fit — the product's state method: keys scored by reconstructing the document (max over its
+spans; KVzip's context reconstruction), one budget across all layers and KV heads, sinks kept, then β
+and values fitted in closed form — each switched by one of its settings (the fields below, which
+mirror ``SelectionConfig``: a run's are ``train.module.select``). Formerly named ``kvzip``.
+
+The mechanics (reconstruction capture, allocation, building the state) are in reconstruction.py;
+this file fits them together. Reads the document KV and the document (the model reconstructs it),
+and the targets' train queries when ``score_queries`` or ``fit_queries`` say so.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+
+from ..base_model import BaseLM
+from ..layout import PromptLayout
+from ..modules.budget import ragged_pair_bytes
+from ..modules.builder import ModulePlan, NectarModule
+from ..schemas.config import ModuleConfig, SelectionConfig
+from .interface import FitInputs, FittedState, StateMethod
+from .reconstruction import (allocate, anchor_mask, build_selected, combined_scores, recon_capture, selection_plan,
+                             template_mask, train_scores)
+from .train_queries import MAX_FIT_TOKENS, QueryTargets, training_queries
+
+
+def fit_recon(base: BaseLM, layout: PromptLayout, document: str, doc_kv, targets,
+              plan: ModulePlan, select: SelectionConfig, spans: list[tuple[str, str]],
+              seed: int = 0, timings: dict[str, float] | None = None) -> FittedState:
+    """recon_fit in the bytes of ``plan``, stored at ``plan.bits``: reconstruct the document's ``spans``
+    ((instruction, response), nectar/queries/recon.py) against its exact KV, keep the best keys (as
+    many as the bytes buy at that precision), fit β and values (reconstruction.py). ``targets``: the
+    targets (a URL or an open ``TargetsData``) whose train queries join the ranking
+    (``score_queries``) and the fit (``fit_queries``), or None. ``timings``: seconds of each part
+    added to it (recon_s, allocate_s and build_selected's fit_mass_s / fit_values_s), for the first
+    state's profile."""
+    timings = {} if timings is None else timings
+    start = time.perf_counter()
+    cap = recon_capture(base, layout, doc_kv, spans, select.aggregate)
+    timings["recon_s"] = timings.get("recon_s", 0.0) + time.perf_counter() - start
+    template = template_mask(layout, document) if select.template_tokens else None
+    pair_bytes = ragged_pair_bytes(plan.head_dim, select.fit, plan.bits, plan.quant_group)
+    uses_train = targets is not None and ((select.fit and "train" in select.fit_queries)
+                                          or "train" in select.score_queries)
+    train = training_queries(targets, seed) if uses_train else None
+    scores = cap.scores
+    if select.score_queries == "recon+train" and train is not None:
+        cut = 4 * plan.num_kv_heads * sum(plan.budgets) // pair_bytes
+        scores = combined_scores(cap.scores, train_scores(train, doc_kv.keys, plan.scaling, select.aggregate), cut)
+    start = time.perf_counter()
+    kept = allocate(scores, plan, pair_bytes, select.budget, anchor_mask(layout.n, select.sink_tokens, template))
+    timings["allocate_s"] = timings.get("allocate_s", 0.0) + time.perf_counter() - start
+    qplan = selection_plan(plan, kept, select.fit)
+    queries = None
+    if select.fit:
+        queries = QueryTargets(cap.q, cap.alpha, cap.A)
+        if len(queries.q) > MAX_FIT_TOKENS:
+            keep = torch.from_numpy(np.sort(np.random.default_rng(seed).choice(len(queries.q), MAX_FIT_TOKENS,
+                                                                               replace=False)))
+            queries = QueryTargets(queries.q[keep], queries.alpha[keep], queries.A[keep])
+        if select.fit_queries == "recon+train" and train is not None:
+            queries = QueryTargets(torch.cat([queries.q, train.q.float()]), torch.cat([queries.alpha, train.alpha.float()]),
+                                   torch.cat([queries.A, train.A.float()]))
+    module = build_selected(qplan, kept, doc_kv, queries, select.quant_aware, timings=timings)
+    return FittedState(ReconFit.name, module, qplan, scores=scores)  # scores [L, Hkv, n]: what the allocation ranked
+
+
+@dataclass(frozen=True)
+class ReconFit(StateMethod):
+    """Its real pairs stored at ``FitInputs.bits`` (float32, or int8/int4 codes with β bf16): as many
+    as the module plan's bytes buy at that precision. Defaults: ``SelectionConfig()``'s."""
+
+    # "global": one ranking across all layers and KV heads (KVzip); "layer": the plan's per-layer
+    # budget shared by that layer's heads; "head": the plan's budget in every (layer, KV head)
+    budget: Literal["global", "layer", "head"] = "global"
+    aggregate: Literal["max", "mean"] = "max"  # a key's score over the reconstruction queries
+    sink_tokens: int = 4  # the first tokens, always kept as exact KV (attention sinks)
+    template_tokens: bool = False  # also keep every chat-template token of the context exact
+    fit_pairs: bool = True  # closed-form β (NNLS) and values (least squares) on the kept keys (select.fit)
+    fit_queries: Literal["recon", "recon+train"] = "recon+train"  # queries of the closed-form fit
+    score_queries: Literal["recon", "recon+train"] = "recon"  # queries whose attention ranks the keys
+    quant_aware: bool = True  # below 32 bits: fit β and values to the keys (and β) as stored
+
+    name = "recon_fit"
+    READS = frozenset({"doc_kv", "document", "train_queries"})
+
+    @property
+    def reads(self) -> frozenset[str]:
+        uses_train = self.score_queries == "recon+train" or (self.fit_pairs and self.fit_queries == "recon+train")
+        return self.READS if uses_train else self.READS - {"train_queries"}
+
+    @property
+    def select(self) -> SelectionConfig:
+        """Its settings as the config spells them (``train.module.select``)."""
+        fields = dataclasses.asdict(self)
+        return SelectionConfig(fit=fields.pop("fit_pairs"), **fields)
+
+    @classmethod
+    def from_select(cls, select: SelectionConfig) -> "ReconFit":
+        fields = select.model_dump()
+        return cls(fit_pairs=fields.pop("fit"), **fields)
+
+    def configured(self, module: ModuleConfig) -> "ReconFit":
+        return self.from_select(module.select)
+
+    def with_options(self, **options) -> "ReconFit":
+        """Settings changed by their config names (a compare system's ``SelectionConfig`` switches)."""
+        return self.from_select(self.select.model_copy(update=options)) if options else self
+
+    def plan(self, plan: ModulePlan, bits: int | None = None) -> ModulePlan:
+        """The budget the selection allocates: the module plan's total bytes, its pairs stored at
+        ``bits``; how many keys each (layer, head) keeps is the selection's (``selection_plan`` in fit)."""
+        return plan if bits is None else dataclasses.replace(plan, bits=bits)
+
+    def _check(self, inputs: FitInputs) -> None:
+        if inputs.base is None or inputs.layout is None or inputs.document is None:
+            raise ValueError("recon_fit selects keys by reconstructing the document: pass base, layout, document "
+                             "and spans in FitInputs")
+
+    def fit(self, plan: ModulePlan, inputs: FitInputs) -> FittedState:
+        self._check(inputs)
+        return fit_recon(inputs.base, inputs.layout, inputs.document, inputs.doc_kv, inputs.targets,
+                         self.plan(plan, inputs.bits), self.select, list(inputs.spans), seed=inputs.seed)
+
+    def init(self, plan: ModulePlan, module: NectarModule, inputs: FitInputs) -> tuple[ModulePlan, NectarModule]:
+        """The selection (+ fit) of the plan's total bytes; the plan becomes the selection's (heads of
+        different widths), which the module's spec records so it loads as trained."""
+        if not (plan.quad_bias and self.fit_pairs):
+            raise ValueError("init recon_fit trains the fitted log-mass biases: set train.module.bias=true and "
+                             "train.module.select.fit=true")
+        if inputs.document is None:
+            raise ValueError("init recon_fit selects keys by reconstructing the document: pass the document "
+                             "text and its reconstruction spans")
+        self._check(inputs)
+        fitted = fit_recon(inputs.base, inputs.layout, inputs.document, inputs.doc_kv, inputs.targets, plan,
+                           self.select, list(inputs.spans), inputs.seed)
+        return fitted.plan, fitted.module.train()
