@@ -24,7 +24,7 @@ import torch
 from ..base_model import BaseLM
 from ..integrity import hash_file, write_stable_safetensors
 from ..storage import atomic_write
-from .format import STATE_FILE, STATE_FORMAT, STATE_VERSION, read_state_meta
+from .format import STATE_FORMAT, STATE_VERSION, read_state_meta
 
 KV_BASELINE = "attention_matching_kv"
 
