@@ -73,6 +73,7 @@ def agreement_scores(decode: Callable[[list[int]], str], reference: Sequence[Seq
     else:
         e = embed(ref_text + cand_text)  # [2P, e], unit norm
         cosine = np.clip((e[: len(ref_text)] * e[len(ref_text):]).sum(-1), -1.0, 1.0)
+        cosine[exact == 1.0] = 1.0  # the same tokens: the same text, whatever the float rounding says
     return AgreementScores(exact, rouge, cosine)
 
 
@@ -83,7 +84,14 @@ def sentence_embedder(path: str) -> Embed:
     model = load_embedder(path)
 
     def embed(texts: list[str]) -> np.ndarray:
-        return np.asarray(model.encode(texts, normalize_embeddings=True, convert_to_numpy=True,
-                                       batch_size=64, show_progress_bar=False), dtype=np.float64)
+        # One text per forward: a text's embedding must not depend on which others share its batch
+        # (padding to the longest changes the matmul shapes, so the float result moves in its last
+        # bits). A resumed run, whose batch held other texts, then scores exactly as an uninterrupted
+        # one. Each distinct text once; MiniLM on ~1k short continuations costs seconds either way.
+        unique = list(dict.fromkeys(texts))
+        vectors = {t: np.asarray(model.encode([t], normalize_embeddings=True, convert_to_numpy=True,
+                                              batch_size=1, show_progress_bar=False), dtype=np.float64)[0]
+                   for t in unique}
+        return np.stack([vectors[t] for t in texts]) if texts else np.zeros((0, 0))
 
     return embed

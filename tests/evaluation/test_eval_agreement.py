@@ -43,3 +43,15 @@ def test_scores_by_hand_with_the_real_embedder(tiny_llama):
     assert s.cosine[1] == pytest.approx(1.0, abs=1e-5) and 0.3 < s.cosine[0] < 0.999
     with pytest.raises(ValueError, match="compare"):
         agreement_scores(decode, ref, cand[:1])
+
+
+@pytest.mark.slow  # loads all-MiniLM-L6-v2
+def test_a_texts_embedding_does_not_depend_on_its_batch_companions():
+    """A resumed evaluate embeds other texts beside the same continuations; their cosines must be the
+    uninterrupted run's to the bit (tests/reliability/test_signals.py compares metrics.parquet)."""
+    embed = sentence_embedder(embedder_path())
+    text = "The names are bound at runtime, in the innermost enclosing scope."
+    alone = embed([text])[0]
+    crowded = embed(["a", text, "a much longer companion text " * 12, text])
+    assert np.array_equal(crowded[1], alone) and np.array_equal(crowded[3], alone)
+    assert float(alone @ alone) == pytest.approx(1.0, abs=1e-6)  # unit norm in float32
