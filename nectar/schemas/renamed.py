@@ -26,7 +26,7 @@ RENAMED_PREFIXES: dict[tuple[str, str], str] = {
     ("system", "kvzip_"): "recon_",
 }
 
-_said: set[tuple[str, str]] = set()
+_said: set[tuple[str, str]] = set()  # (old, new): one line per renaming, whatever kinds read it
 
 
 def renamed(kind: Kind, name: str) -> str:
@@ -39,7 +39,9 @@ def renamed(kind: Kind, name: str) -> str:
                 break
     if new is None:
         return name
-    if (kind, name) not in _said:
-        _said.add((kind, name))
-        print(f"note: {name!r} is read as {new!r} (renamed; docs/architecture.md)", file=sys.stderr)
+    if (name, new) not in _said:
+        _said.add((name, new))
+        # written, not printed: inside a Prefect flow ``log_prints`` turns a print into a log record too
+        sys.stderr.write(f"note: {name!r} is read as {new!r} (renamed; docs/architecture.md)\n")
+        sys.stderr.flush()
     return new

@@ -58,3 +58,17 @@ def test_an_old_run_directory_opens_with_the_new_name(tmp_path, capsys):
     manifest.write_text(text.replace('"init": "recon_fit"', '"init": "kvzip"'))  # as an old release wrote it
     old = open_run(str(tmp_path / "run"))
     assert old.config == ctx.config and old.config.train.module.init == "recon_fit"
+
+
+def test_an_old_name_is_said_once_on_stderr_whichever_kinds_read_it(capsys, monkeypatch):
+    from nectar.schemas import renamed as mod
+
+    monkeypatch.setattr(mod, "_said", set())
+    assert mod.renamed("init", "kvzip") == "recon_fit"
+    assert mod.renamed("method", "kvzip") == "recon_fit"
+    assert mod.renamed("regime", "kvzip") == "recon_fit"
+    assert mod.renamed("system", "kvzip_fit_qa@int4") == "recon_fit_qa@int4"
+    assert mod.renamed("system", "recon_fit_qa@int4") == "recon_fit_qa@int4"  # a current name: silent
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["note: 'kvzip' is read as 'recon_fit' (renamed; docs/architecture.md)",
+                   "note: 'kvzip_fit_qa@int4' is read as 'recon_fit_qa@int4' (renamed; docs/architecture.md)"]
