@@ -61,7 +61,9 @@ def test_an_old_run_directory_opens_with_the_new_name(tmp_path, capsys):
 
 
 def test_an_old_name_is_said_once_on_stderr_whichever_kinds_read_it(capsys, monkeypatch):
-    from nectar.schemas import renamed as mod
+    import importlib
+
+    mod = importlib.import_module("nectar.schemas.renamed")
 
     monkeypatch.setattr(mod, "_said", set())
     assert mod.renamed("init", "kvzip") == "recon_fit"
