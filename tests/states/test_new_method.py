@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from nectar import comparison, orchestration
+from nectar.comparison.jobs import baseline_plan
 from nectar.comparison.systems import SYSTEMS, System
 from nectar.modules.budget import pairs_in_bytes
 from nectar.modules.builder import ModulePlan, build_module
@@ -104,7 +105,7 @@ def test_a_method_written_against_the_interface_is_fitted_compared_and_served(ti
     # fitted on the tiny model, in the bytes of the run's module plan
     base = load_base(ctx.config)
     doc_kv = load_run_doc_kv(ctx)
-    plan = comparison.run.baseline_plan(ctx, 0.2)
+    plan = baseline_plan(ctx, 0.2)
     fitted = get_method("keep_last").fit(plan, FitInputs(doc_kv))
     p = fitted.plan.quad_pairs[0]
     assert 1 <= p < doc_kv.n and fitted.nbytes <= 4 * plan.num_kv_heads * sum(plan.budgets) * 1.01
