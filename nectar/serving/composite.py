@@ -23,7 +23,8 @@ JOIN = "+"
 # The concatenated documents' positions, and the shared chat-template prefix held once (its exact KV,
 # prefilled from the model): together exact for exact KVs (tests/attention/test_compose.py), i.e. the
 # concatenation's context minus the later document attending to the earlier. Which layout keeps most
-# with fitted states is what `nectar compare RUN_A RUN_B` measures (docs/quality.md: figures owed).
+# with fitted states is what `nectar compare RUN_A RUN_B` measures: this one, on two pairs of documents
+# (docs/quality.md, "Several documents at once").
 POSITIONS = "concat"
 PREFIX_ONCE = True
 HOW_TO_COMPOSE = (f"join served model ids with '{JOIN}' (e.g. 'a{JOIN}b') to ask over several documents at once: "
