@@ -11,6 +11,7 @@ last run must report cached only what was complete and end with the uninterrupte
 """
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import signal
@@ -167,14 +168,25 @@ def test_signals_and_a_dying_server_stop_the_run_and_it_resumes(run_copy, comple
     assert {s: got[s] for s in ("chunk", "synthesize", "targets", "train")} == \
         {s: ref[s] for s in ("chunk", "synthesize", "targets", "train")}
     print("stop times (s):", {k: round(v, 2) for k, v in times.items()})
-    if got["evaluate"]["metrics.parquet"] != ref["evaluate"]["metrics.parquet"]:
-        import pyarrow.parquet as pq
+    # evaluate's metrics are the uninterrupted run's: every count and string to the bit, every float to
+    # 1e-6 relative. Not to the bit: the reference run was built in this process (torch at 2 threads) and
+    # the resumed one in a `nectar run` at OMP_NUM_THREADS=1, and the sentence embedder's matmuls round
+    # their last bits differently at another thread count (agreement_cosine moved by ~1e-9). Its other
+    # source of noise, the texts sharing an embedding batch, is gone (evaluation/agreement.py).
+    import pyarrow.parquet as pq
 
-        a = pq.read_table(Path(run_copy) / "evaluate" / "metrics.parquet").to_pylist()
-        b = pq.read_table(Path(complete_run) / "evaluate" / "metrics.parquet").to_pylist()
-        diff = [(i, k, ra.get(k), rb.get(k)) for i, (ra, rb) in enumerate(zip(a, b)) for k in ra if ra.get(k) != rb.get(k)]
-        raise AssertionError(f"the resumed run's evaluate metrics differ from the uninterrupted run's "
-                             f"({len(a)} vs {len(b)} rows): {diff[:20]}")
+    a = pq.read_table(Path(run_copy) / "evaluate" / "metrics.parquet").to_pylist()
+    b = pq.read_table(Path(complete_run) / "evaluate" / "metrics.parquet").to_pylist()
+    assert len(a) == len(b)
+    diff = [(i, k, ra[k], rb.get(k)) for i, (ra, rb) in enumerate(zip(a, b)) for k in ra
+            if not _same_value(ra[k], rb.get(k))]
+    assert not diff, f"the resumed run's evaluate metrics differ from the uninterrupted run's: {diff[:20]}"
+
+
+def _same_value(x, y) -> bool:
+    if isinstance(x, float) and isinstance(y, float):
+        return (math.isnan(x) and math.isnan(y)) or math.isclose(x, y, rel_tol=1e-6, abs_tol=1e-12)
+    return x == y
 
 
 def test_unreachable_prefect_api_url_names_the_fix(tmp_path):

@@ -88,7 +88,7 @@ def served(tmp_path_factory):
         deadline = time.monotonic() + 1800
         while url is None and time.monotonic() < deadline:
             text = log.read_text()
-            if vllm_pid is None and (found := re.search(r"starting vLLM, pid (\d+)", text)):
+            if vllm_pid is None and (found := re.search(r"\(vLLM pid (\d+)\)", text)):
                 vllm_pid = int(found.group(1))
             if found := re.search(r"on (http://\S+)/v1 model='([^']+)'", text):
                 url, model = found.group(1), found.group(2)
