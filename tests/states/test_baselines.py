@@ -6,8 +6,6 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "training"))
-from targets_fixture import DOC, make_targets  # noqa: E402
 
 from nectar.attention.exact import ExactDocState  # noqa: E402
 from nectar.states import FROM_TARGETS, method_plan, fit_method, training_queries  # noqa: E402
@@ -15,13 +13,6 @@ from nectar.states.matching_fit import fit_log_mass  # noqa: E402
 from nectar.states.selection import attention_probs  # noqa: E402
 from nectar.modules import build_module, plan_module  # noqa: E402
 from nectar.modules.stored import stored_nbytes, stored_tensors  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def tiny_targets(tiny_llama, tmp_path_factory):
-    out = tmp_path_factory.mktemp("targets")
-    layout, kv, _ = make_targets(tiny_llama, DOC, out)
-    return tiny_llama, layout, kv, str(out)
 
 
 def _plan(base, n, rho, arch="mlp", **kw):

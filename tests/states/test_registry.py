@@ -6,20 +6,11 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "training"))
-from targets_fixture import DOC, make_targets  # noqa: E402
 
 from nectar.states import FROM_TARGETS, METHODS, StateMethod, FitInputs, fit_method, get_method  # noqa: E402
 from nectar.states.evict import Evict  # noqa: E402
 from nectar.modules import plan_module  # noqa: E402
 from nectar.modules.stored import stored_nbytes  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def tiny_targets(tiny_llama, tmp_path_factory):
-    out = tmp_path_factory.mktemp("targets")
-    layout, kv, _ = make_targets(tiny_llama, DOC, out)
-    return tiny_llama, layout, kv, str(out)
 
 
 def _plan(base, n, rho):
