@@ -1,7 +1,5 @@
 """Equal-bytes baselines on real targets of the tiny model: each stores the module's budget, keeping
 every key is the exact document state (oracle), and the Attention Matching fit does what it claims."""
-import sys
-from pathlib import Path
 
 import pytest
 import torch

@@ -1,8 +1,6 @@
 """The state methods' interface: one file per method, listed by the registry; a new method written
 against the interface alone plans, fits and sizes like the registered ones."""
 import dataclasses
-import sys
-from pathlib import Path
 
 import pytest
 
