@@ -31,6 +31,7 @@ class LiveState:
     url: str  # the folder holding module.safetensors and module.json
     reason: str
     since: str | None = None
+    module_sha256: str | None = None  # the weights' digest publish recorded; None for a run without a pointer
 
 
 def _sha256(url: str) -> str:
@@ -63,7 +64,8 @@ def read_live(run: RunDir) -> LiveState | None:
     """The live state, or None when the run has none yet (no state of either stage)."""
     if run.exists(*LIVE):
         record = json.loads(run.fs.cat_file(run.local_path(*LIVE)))
-        return LiveState(record["stage"], run.url(*record["dir"].split("/")), record["reason"], record.get("since"))
+        return LiveState(record["stage"], run.url(*record["dir"].split("/")), record["reason"], record.get("since"),
+                         record.get("module_sha256"))
     if run.exists("train", "module.json"):  # a run made before the live pointer
         return LiveState("train", run.url("train"), "the train stage's module (no live pointer in this run)")
     return None
