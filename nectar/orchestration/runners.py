@@ -18,13 +18,18 @@ from .context import (SHARED_DATA_STAGES, Progress, RunContext, StageInputError,
 from .lineage import code_version
 from .readers import write_json
 
-__all__ = ["SHARED_DATA_STAGES", "STAGE_RUNNERS", "UPSTREAM", "available_stages", "plan_stages"]
+__all__ = ["OPTIONAL_UPSTREAM", "SHARED_DATA_STAGES", "STAGE_RUNNERS", "UPSTREAM", "available_stages",
+           "plan_stages"]
 
 UPSTREAM: dict[str, tuple[str, ...]] = {
     "chunk": (), "first": (), "synthesize": ("chunk",), "verify": ("synthesize",), "targets": ("verify",),
     "train": ("targets",), "promote": ("first", "train", "targets"),
-    "evaluate": ("train", "targets", "verify", "chunk"),
+    "evaluate": ("train", "promote", "targets", "verify", "chunk"),
 }
+# Upstream stages read when they completed in the run and done without when they did not. evaluate
+# scores the live state (live.py): promote's choice once promote ran; a run where it never ran (a
+# sweep variant, a targets → train → evaluate script) has no pointer and serves its train module.
+OPTIONAL_UPSTREAM: dict[str, tuple[str, ...]] = {"evaluate": ("promote",)}
 
 
 class InputChanged(ArtifactError):
@@ -46,6 +51,8 @@ def _upstream_outputs(ctx: RunContext, stage: str) -> dict[str, str]:
     for up in UPSTREAM[stage]:
         run = ctx.stage_run(up)
         manifest = run.read_manifest(up)
+        if manifest is None and up in OPTIONAL_UPSTREAM.get(stage, ()):
+            continue
         if manifest is None:
             raise StageInputError(
                 f"stage {stage!r} needs the outputs of {up!r}, which has not completed in {run.root}; "
@@ -71,7 +78,7 @@ def check_inputs_done(run: RunDir, stage: str, source_uri: str) -> None:
         parent = RunDir(parent_root) if parent_root else None
     for up in UPSTREAM[stage]:
         holder = parent if parent is not None and up in SHARED_DATA_STAGES else run
-        if not holder.exists(up, "manifest.json"):
+        if not holder.exists(up, "manifest.json") and up not in OPTIONAL_UPSTREAM.get(stage, ()):
             raise StageInputError(
                 f"--only {stage} needs the outputs of {up}, which has not completed in {holder.root}; run "
                 f"`nectar run {shlex.quote(source_uri)} --run-dir {shlex.quote(holder.root)} --from {up}` first")
@@ -364,6 +371,18 @@ def run_promote(ctx: RunContext, force: bool = False) -> StageOutcome:
                      **_wiring(ctx, "promote"))
 
 
+def _scored_state(ctx: RunContext):
+    """The state evaluate scores: the one the run serves (live.py's reader — promote's choice once it
+    ran, the train module in a run without a pointer), and the sha256 of its weights."""
+    from .executor import hash_url
+    from .live import read_live
+
+    state = read_live(ctx.run)
+    if state is None:  # unreachable after train completed (read_live falls back to its module)
+        raise StageInputError(f"evaluate: no state to score in {ctx.run.root}; run `{rebuild_command(ctx, 'train')}`")
+    return state, state.module_sha256 or hash_url(f"{state.url}/module.safetensors")
+
+
 def run_evaluate(ctx: RunContext, force: bool = False) -> StageOutcome:
     from ..evaluation.judge import make_chat
     from ..layout import build_layout
@@ -374,6 +393,10 @@ def run_evaluate(ctx: RunContext, force: bool = False) -> StageOutcome:
     from ..evaluation.questions import load_questions, read_questions
 
     inputs = _upstream_outputs(ctx, "evaluate")
+    # The scored weights are an input of their own: the pointer can move without promote's decision
+    # changing (a re-run of first while it is live), and a cached evaluation must be of what is served.
+    state, state_sha256 = _scored_state(ctx)
+    inputs[f"live/{state.stage}"] = state_sha256
     qpath = ctx.config.evaluate.questions
     if qpath:  # the file's content, not its path, is what evaluate depends on (checked here, one line)
         inputs["questions"] = read_questions(qpath).sha256
@@ -388,7 +411,7 @@ def run_evaluate(ctx: RunContext, force: bool = False) -> StageOutcome:
         base = load_base(ctx.config)
         layout = build_layout(base.tokenizer, ctx.text)
         doc_kv = load_run_doc_kv(ctx)
-        module, spec = load_module(ctx.run.url("train"), base, ctx.info.sha256, device=base.device)
+        module, spec = load_module(state.url, base, ctx.info.sha256, device=base.device)
         upstream = ctx.stage_run("verify")
         dataset = read_table(upstream.url("verify", "dataset.parquet"), DatasetRow)
         chunks = read_table(ctx.stage_run("chunk").url("chunk", "chunks.parquet"), ChunkRow)
@@ -405,12 +428,15 @@ def run_evaluate(ctx: RunContext, force: bool = False) -> StageOutcome:
                               ctx.stage_run("targets").url("targets"), dataset, chunks, judge, url,
                               train_log=_train_log(ctx),
                               title=f"NECTAR · {ctx.doc_id} · {ctx.run.root.rstrip('/').split('/')[-1]}",
-                              facts={"document": ctx.info.source_uri, "run": ctx.run.root}, progress=step,
+                              facts={"document": ctx.info.source_uri, "run": ctx.run.root,
+                                     "state": f"{state.stage} (live: {state.reason})"}, progress=step,
                               question_pairs=questions.pairs if questions else ())
         if questions:
             result["counts"].update(questions.counts())
         write_json(f"{url}/tables.json", result["tables"])  # for dashboards and sweeps
-        return [*result["files"], "tables.json"], {**result["counts"],
+        # scored_state first: `nectar status` shows a stage's first counts
+        return [*result["files"], "tables.json"], {"scored_state": state.stage, **result["counts"],
+                                                   "scored_module_sha256": state_sha256,
                                                    "judge_llm": llm_record(backend, ctx.config.evaluate.judge)}
 
     return run_stage(ctx.run, "evaluate", _stage_config(ctx, "evaluate"), inputs, body, force,
