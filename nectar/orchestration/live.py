@@ -95,8 +95,8 @@ def seconds_to(run: RunDir, stages: tuple[str, ...]) -> float | None:
 
 
 def state_summary(run: RunDir) -> list[str]:
-    """Lines for ``nectar run``: the time to the first usable state, to the refined one, and which
-    one answers now, where, and why."""
+    """Lines for ``nectar run``: the time to the first usable state, to the refined one, which one
+    answers now, where, and why, and which one the evaluation scored."""
     lines = []
     first_s = seconds_to(run, FIRST_PATH)
     if first_s is not None and run.exists("first", "module.json"):
@@ -108,4 +108,26 @@ def state_summary(run: RunDir) -> list[str]:
     state = read_live(run)
     if state is not None:
         lines.append(f"live: {state.stage} state at {state.url} — {state.reason}")
+    evaluated = evaluated_line(run, state)
+    if evaluated:
+        lines.append(evaluated)
     return lines
+
+
+def evaluated_line(run: RunDir, live: LiveState | None) -> str | None:
+    """Which state the run's evaluation scored, and a warning when the live state has moved since
+    (its report would then describe a state nobody is served)."""
+    manifest = run.read_manifest("evaluate")
+    if manifest is None:
+        return None
+    counts = manifest.counts
+    scored = counts.get("scored_state", "train")  # an evaluation that does not say scored train's module
+    if live is None:
+        current = True
+    elif live.module_sha256 and "scored_module_sha256" in counts:
+        current = live.module_sha256 == counts["scored_module_sha256"]
+    else:
+        current = live.stage == scored
+    line = f"evaluated: the {scored} state ({run.url('evaluate', 'report.html')})"
+    return line if current else (f"{line} — not the live {live.stage} state; re-score it: "
+                                 f"nectar run --run-dir {run.root} --only evaluate")
