@@ -74,6 +74,9 @@ def comparison_row(variant: Variant, run: RunDir) -> dict[str, Any]:
     if manifest:
         row.update({k: manifest.counts.get(k) for k in ("module_bytes", "kv_cache_bytes", "heldout_loss_A",
                                                         "heldout_rte_A", "heldout_loss_kl")})
+    evaluated = run.read_manifest("evaluate")
+    if evaluated:  # evaluate scores the live state: in the parent run that can be the first state, not train's
+        row["scored_state"] = evaluated.counts.get("scored_state", "train")
     headline = read_eval_tables(run).get("headline", [])
     for h in headline:
         prefix = "" if h.get("split") == "test" else f"{h.get('split')}_"
