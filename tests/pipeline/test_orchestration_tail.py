@@ -48,6 +48,10 @@ def test_targets_train_evaluate_and_cache(tiny_ctx):
         out = orchestration.STAGE_RUNNERS[stage](ctx, False)
         assert out.status == "done", stage
     assert ctx.run.exists("evaluate", "report.html")
+    # no first or promote stage here, so no live pointer: the run serves, and evaluate scores, train's module
+    counts = ctx.run.read_manifest("evaluate").counts
+    assert counts["scored_state"] == "train"
+    assert counts["scored_module_sha256"] == ctx.run.read_manifest("train").outputs["module.safetensors"]
     tables = orchestration.read_eval_tables(ctx.run)
     assert tables["headline"] and "token_acc_module" in tables["headline"][0]
     # identical second pass: all cache hits
