@@ -87,8 +87,9 @@ def run_document(document: str | None, config: PipelineConfig, run_dir: str | No
                  from_stage: str | None = None, only_stage: str | None = None, force: bool = False,
                  stages: Sequence[str] = STAGES, run_one: RunOne = run_here,
                  notify: Callable[[str], None] | None = None, wait: bool = True, slot: Slot = _no_slot) -> DocumentRun:
-    """chunk → synthesize → verify → targets → train → evaluate for one document (those of them in
-    ``stages``), each through its cache; the outputs and manifests land in the run directory."""
+    """chunk → first → synthesize → verify → targets → train → promote → evaluate (of the live state)
+    for one document (those of them in ``stages``), each through its cache; the outputs and manifests
+    land in the run directory."""
     request = plan_document(document, config, run_dir, from_stage, only_stage, force)
     results: dict[str, Any] = {}
     with open_document(request, config, notify=notify, wait=wait, slot=slot) as ctx, llm_scope(ctx):

@@ -165,9 +165,9 @@ def nectar_pipeline(
     force: bool = False,
     regime: str | None = None,
 ) -> dict[str, Any]:
-    """chunk → synthesize → verify → targets → train → evaluate for one document: the orchestration
-    core (``orchestration.run_document``) with each stage as a subflow, one run per document at a
-    time on a server (``doc_slot``)."""
+    """chunk → first → synthesize → verify → targets → train → promote → evaluate (of the live state)
+    for one document: the orchestration core (``orchestration.run_document``) with each stage as a
+    subflow, one run per document at a time on a server (``doc_slot``)."""
     get_run_logger().info("%s%s (pid %d)", RUNS_ON, socket.gethostname(), os.getpid())  # for `nectar trigger`'s table
     config = load_config(preset, config_file, regime, overrides or [])
     done = orchestration.run_document(document, config, run_dir, from_stage=from_stage, only_stage=only_stage,
