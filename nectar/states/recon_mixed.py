@@ -5,11 +5,12 @@ each (layer, KV head)'s kept pairs stored at int2, int4 or int8, the keys past i
   1. rank      recon_fit's ranking (``recon_fit.ranking``: reconstruction scores s [L, Hkv, n]), its anchors
                (sinks) first, so every head keeps at least those: a head keeps its first c ranked keys
   2. distort   per key j and precision b, the share of its contribution that rounding loses,
-                   ε_b(j) = min(1, scaling · ‖q‖ · ‖k_j − Q_b(k_j)‖ / √d + ‖v_j − Q_b(v_j)‖ / ‖v_j‖)
-               — the logit error a typical query of the head (‖q‖: the reconstruction queries' RMS norm)
-               sees from rounding noise spread over the d dims, plus the value's relative error — capped
-               at 1: rounding never loses more than evicting. Keeping j at b removes s_j · (1 − ε_b(j)) of
-               the distortion Σ_j s_j that evicting everything would leave (s is attention probability)
+                   ε_b(j) = min(1, scaling · √(Δk_jᵀ C Δk_j) + ‖Δv_j‖ / ‖v_j‖),   Δx = x − Q_b(x)
+               — the RMS logit error the head's reconstruction queries see (C: their second moment
+               [d, d]; centred when β is fitted, since a fitted β absorbs a key's mean logit shift and
+               only the spread across queries is lost), plus the value's relative error — capped at 1:
+               rounding never loses more than evicting. Keeping j at b removes s_j · (1 − ε_b(j)) of the
+               distortion Σ_j s_j that evicting everything would leave (s is attention probability)
   3. allocate  every head picks (b, c), costing c · P_b bytes (P_b: one pair as stored,
                ``budget.ragged_pair_bytes``), to minimise distortion + λ · bytes; λ is bisected to the
                smallest that fits the plan's bytes; then single pairs at each head's own b, best gain
@@ -163,21 +164,26 @@ def _fill(gain: np.ndarray, b: np.ndarray, counts: np.ndarray, pair_bytes: np.nd
 
 
 @torch.no_grad()
-def rounding_errors(doc_kv, q: torch.Tensor, scaling: float, choices: tuple[int, ...],
-                    group: int = 64) -> torch.Tensor:
+def rounding_errors(doc_kv, q: torch.Tensor, scaling: float, choices: tuple[int, ...], group: int = 64,
+                    centred: bool = True) -> torch.Tensor:
     """[B, L, Hkv, n]: ε_b of every document key at each precision (module docstring, step 2). ``q``
-    [T, L, Hq, d]: the reconstruction queries (their RMS norm per KV head is the typical query)."""
+    [T, L, Hq, d]: the reconstruction queries; ``centred``: their covariance instead of their second
+    moment (a fitted β absorbs the mean shift)."""
     L = len(doc_kv.keys)
     H, n, d = doc_kv.keys[0].shape
     out = torch.zeros(len(choices), L, H, n)
     for layer in range(L):
         k = doc_kv.keys[layer].detach().float().cpu()  # [H, n, d]
         v = doc_kv.values[layer].detach().float().cpu()
-        q_rms = group_queries(q[:, layer].float(), H).pow(2).sum(-1).mean(0).sqrt()  # [H]
+        qg = group_queries(q[:, layer].float(), H)  # [T·g, H, d]
+        if centred:
+            qg = qg - qg.mean(0, keepdim=True)
+        C = torch.einsum("thd,the->hde", qg, qg) / max(len(qg), 1)  # [H, d, d]
         for i, bits in enumerate(choices):
-            dk = (k - fake_quantize(k, bits, group)).norm(dim=-1)  # [H, n]: each row rounded as stored
+            dk = k - fake_quantize(k, bits, group)  # [H, n, d]: each row rounded as stored
+            logit = scaling * torch.einsum("hnd,hde,hne->hn", dk, C, dk).clamp_min(0).sqrt()  # [H, n]
             dv = (v - fake_quantize(v, bits, group)).norm(dim=-1) / v.norm(dim=-1).clamp_min(1e-12)
-            out[i, layer] = (scaling * q_rms.unsqueeze(-1) * dk / d ** 0.5 + dv).clamp(max=1.0)
+            out[i, layer] = (logit + dv).clamp(max=1.0)
     return out
 
 
@@ -227,7 +233,8 @@ class ReconMixed(StateMethod):
         top = dataclasses.replace(plan, bits=max(self.choices))
         cap, train, scores = ranking(inputs.base, inputs.layout, inputs.doc_kv, inputs.targets, top, select,
                                      list(inputs.spans), inputs.seed)
-        errors = rounding_errors(inputs.doc_kv, cap.q, plan.scaling, self.choices, plan.quant_group)
+        errors = rounding_errors(inputs.doc_kv, cap.q, plan.scaling, self.choices, plan.quant_group,
+                                 centred=select.fit)
         pair_bytes = tuple(ragged_pair_bytes(plan.head_dim, select.fit, b, plan.quant_group) for b in self.choices)
         alloc = allocate_bits(scores, errors, self.choices, pair_bytes, 4 * plan.num_kv_heads * sum(plan.budgets),
                               anchors(inputs.layout, inputs.document, select))

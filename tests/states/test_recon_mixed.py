@@ -17,7 +17,7 @@ from nectar.modules.stored import stored_nbytes  # noqa: E402
 from nectar.queries.recon import make_recon  # noqa: E402
 from nectar.schemas.config import ProbesConfig, ReconConfig  # noqa: E402
 from nectar.states import METHODS, FitInputs  # noqa: E402
-from nectar.states.recon_mixed import MixedState, ReconMixed, allocate_bits, rank_order  # noqa: E402
+from nectar.states.recon_mixed import MixedState, ReconMixed, allocate_bits, rank_order, rounding_errors  # noqa: E402
 from nectar.states.reconstruction import anchor_mask  # noqa: E402
 
 CHOICES = (2, 4, 8)
@@ -110,6 +110,19 @@ def fitted(tiny_llama, tmp_path_factory):
     plan = plan_module("quadrature", base.num_layers, base.num_kv_heads, base.head_dim, layout.n, base.scaling, 0.1)
     inputs = FitInputs(kv, None, base=base, layout=layout, document=DOC, spans=spans)
     return base, plan, METHODS["recon_mixed"].fit(plan, inputs)
+
+
+def test_rounding_errors_fall_with_the_bits_and_a_fitted_beta_absorbs_the_mean_shift(tiny_llama, tmp_path):
+    base = tiny_llama
+    _, kv, _ = make_targets(base, DOC, tmp_path)
+    g = torch.Generator().manual_seed(0)
+    q = 3.0 + torch.randn(40, base.num_layers, base.num_q_heads, base.head_dim, generator=g)  # a common mean
+    err = rounding_errors(kv, q, base.scaling, (2, 4, 8, 32))  # [B, L, H, n]
+    assert err.shape == (4, base.num_layers, base.num_kv_heads, kv.keys[0].shape[1])
+    assert ((err >= 0) & (err <= 1)).all() and (err[3] == 0).all()  # float32: nothing lost
+    assert (err[0] >= err[1]).float().mean() > 0.95 and (err[1] >= err[2]).float().mean() > 0.95
+    raw = rounding_errors(kv, q, base.scaling, (4,), centred=False)
+    assert (err[1] <= raw[0] + 1e-6).all() and (err[1] < raw[0]).any()  # covariance ≤ second moment
 
 
 def test_registered_and_reads_the_document_alone():
