@@ -375,7 +375,9 @@ def _pct(v: float | None, lo: float | None = None, hi: float | None = None, sign
     if v is None:
         return "–"
     f = "{:+.1f}" if sign else "{:.1f}"
-    return f.format(100 * v) + ("" if lo is None or hi is None else f" [{f.format(100 * lo)}, {f.format(100 * hi)}]")
+    if lo is None or hi is None or math.isnan(lo) or math.isnan(hi):  # (one probe: no interval)
+        return f.format(100 * v)
+    return f.format(100 * v) + f" [{f.format(100 * lo)}, {f.format(100 * hi)}]"
 
 
 def panel_markdown(rows: list[dict[str, Any]], docs: list[PanelDocument], settings: dict[str, Any],
