@@ -51,7 +51,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -154,6 +154,7 @@ def document_run(doc: PanelDocument, text: str, args, out: Path, runs: dict[str,
 
 
 def with_withheld(config, fraction: float):
+    """``config`` with reconstruction leaving ``fraction`` of the document out (probes_withheld)."""
     targets = config.targets
     recon = targets.recon.model_copy(update={"withheld_fraction": fraction})
     return config.model_copy(update={"targets": targets.model_copy(update={"recon": recon})})
@@ -478,7 +479,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             print(f"panel: {doc.name}: every cell done; skipped")
             continue
         run_document(doc, text, todo, args, out, runs)
-    rows = write_panel(out, present, {**settings, "documents": [asdict(d)["name"] for d in present]})
+    rows = write_panel(out, present, {**settings, "documents": [d.name for d in present]})
     print(f"panel: {len(rows)} rows in {out / 'panel.md'}; {time.perf_counter() - t0:.0f} s, load "
           f"{fmt_load(load0)} → {fmt_load(os.getloadavg())}")
     return rows
