@@ -9,7 +9,7 @@ import pytest
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
-@pytest.mark.parametrize("script", sorted(p.name for p in BENCH.glob("bench_*.py")) + ["mlp_data_curve.py"])
+@pytest.mark.parametrize("script", sorted(p.name for p in BENCH.glob("bench_*.py")) + ["mlp_data_curve.py", "document_panel.py"])
 def test_benchmark_script_imports(script):
     code = ("import importlib.util, sys; sys.argv = ['x']; sys.path.insert(0, %r); "
             "spec = importlib.util.spec_from_file_location('bench', %r); m = importlib.util.module_from_spec(spec); "

@@ -181,7 +181,7 @@ def _load_state(path: str, base) -> State | None:
     if not os.path.exists(path):
         return None
     saved = torch.load(path, map_location=base.device, weights_only=False)
-    fitted = FittedState(saved["name"], saved["module"], saved["plan"])
+    fitted = saved["state"] if "state" in saved else FittedState(saved["name"], saved["module"], saved["plan"])
     return State(fitted, saved["nbytes"], saved["seconds"], saved["arch"])
 
 
@@ -189,8 +189,11 @@ def _save_state(path: str, state: State) -> None:
     import torch
 
     fitted = state.provider
-    blob = {"name": fitted.name, "module": fitted.module, "plan": fitted.plan, "nbytes": state.nbytes,
-            "seconds": state.seconds, "arch": state.arch}
+    blob = {"nbytes": state.nbytes, "seconds": state.seconds, "arch": state.arch}
+    if isinstance(fitted, FittedState):
+        blob.update(name=fitted.name, module=fitted.module, plan=fitted.plan)
+    else:  # a state of several modules (recon_mixed's, one per precision): kept whole
+        blob["state"] = fitted
     atomic_write(path, lambda f: torch.save(blob, f))
 
 

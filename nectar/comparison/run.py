@@ -46,14 +46,10 @@ SCORE_BATCH, GEN_BATCH = 8, 16
 def withheld_probe_ids(ctx: RunContext, targets_url: str) -> set[str]:
     """Held-out probes lying wholly in the units reconstruction leaves out (nectar/queries/recon.py)."""
     from ..schemas.artifacts import ProbeRow
-    from ..queries.probes import split_units
-    from ..queries.recon import withheld_units
+    from ..queries.recon import withheld_probes
 
     tcfg = ctx.config.targets
-    withheld = withheld_units(len(split_units(ctx.text)), tcfg.recon, tcfg.probes)
-    probes = read_table(f"{targets_url}/probes.parquet", ProbeRow)
-    return {p.probe_id for p in probes if p.split == "probes"
-            and all(u in withheld for u in range(p.first_unit, p.last_unit + 1))}
+    return withheld_probes(ctx.text, tcfg.recon, tcfg.probes, read_table(f"{targets_url}/probes.parquet", ProbeRow))
 
 
 def score_and_write(ctx: RunContext, jobs: list[Job], progress: ProgressFactory | None = None,

@@ -175,6 +175,14 @@ register(System("recon_first@int4", "baseline", "the first stage's state: recon_
                 options={"fit": True, "fit_queries": "recon", "score_queries": "recon"}, default=False))
 
 
+# The bits allocated by rate and distortion (issue 38, nectar/states/recon_mixed.py): recon_first's keys and
+# queries, each (layer, KV head) stored at int2, int4 or int8 as distortion removed per byte decides (opt-in:
+# stored as one module per precision, so scored here but not yet servable from one file).
+register(System("recon_mixed", "baseline", "the first state's selection and fit (reconstruction queries alone), "
+                "each (layer, KV head)'s pairs at int2 / int4 / int8 chosen across the state by distortion "
+                "removed per byte, the rest evicted", method="recon_mixed", default=False))
+
+
 # The default state (recon_fit_qa@int4) refined by gradient steps that see it as stored (train.quant_aware:
 # keys, values and β rounded on their grid in every forward, straight-through gradient), so the trained
 # state is the stored one and starts from the quantization-aware fit instead of discarding it; and the

@@ -168,6 +168,45 @@ def frontier(rows: Sequence[dict]) -> bytes | None:
     return _png(fig)
 
 
+def delta_by_document(rows: Sequence[dict]) -> bytes | None:
+    """Paired Δ recovered KL (points, 95 % CI) of each state against a reference, per document: one panel
+    per (split, reference), one marker per (state, budget ρ) beside each document
+    (benchmarks/document_panel.py). ``rows``: dicts with document, tuned, split, against (the
+    reference's label), state, rho, delta, low, high; a tuned document's label is starred."""
+    rows = [r for r in rows if r.get("delta") is not None]
+    panels = list(dict.fromkeys((r["split"], r["against"]) for r in rows))
+    if not panels:
+        return None
+    docs = list(dict.fromkeys(r["document"] for r in rows))
+    tuned = {r["document"] for r in rows if r.get("tuned")}
+    series = sorted({(r["state"], r["rho"]) for r in rows}, key=lambda x: (x[0], x[1]))
+    markers = {s: "os^vD"[i % 5] for i, s in enumerate(dict.fromkeys(s for s, _ in series))}
+    rhos = sorted({rho for _, rho in series})
+    colors = {rho: plt.get_cmap("viridis")(i / max(len(rhos) - 1, 1)) for i, rho in enumerate(rhos)}
+    fig, axes = plt.subplots(len(panels), 1, figsize=(max(7.0, 1.1 * len(docs) + 2), 3.2 * len(panels)),
+                             squeeze=False)
+    width = 0.7 / len(series)
+    for ax, (split, against) in zip(axes[:, 0], panels):
+        for i, (state, rho) in enumerate(series):
+            pts = [(docs.index(r["document"]), r) for r in rows
+                   if (r["split"], r["against"], r["state"], r["rho"]) == (split, against, state, rho)]
+            if not pts:
+                continue
+            x = [j - 0.35 + width * (i + 0.5) for j, _ in pts]
+            y = [100 * r["delta"] for _, r in pts]
+            err = [[100 * (r["delta"] - r["low"]) for _, r in pts], [100 * (r["high"] - r["delta"]) for _, r in pts]]
+            label = f"{state}, ρ {100 * rho:g} %" if len(markers) > 1 else f"ρ {100 * rho:g} % of fp32"
+            ax.errorbar(x, y, yerr=err, fmt=markers[state], color=colors[rho], capsize=2, ms=4, label=label)
+        ax.axhline(0, color="gray", lw=1)
+        ax.set_xticks(range(len(docs)))
+        ax.set_xticklabels([f"{d}*" if d in tuned else d for d in docs], rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel("Δ recovered KL, points")
+        ax.set_title(f"{split}: state − {against} (95 % paired CI)", fontsize=9)
+        ax.legend(fontsize=7, ncol=min(len(series), 4))
+    axes[-1, 0].set_xlabel("document (* = used while tuning a setting)")
+    return _png(fig)
+
+
 def allocation_heatmap(states: dict[str, Sequence[Sequence[int]]]) -> bytes | None:
     """Kept (key, value) pairs per layer × KV head of each state whose heads differ in width
     (``ModulePlan.quad_head_pairs``): where a global budget puts the bytes."""

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Sequence
 
-from ..schemas.artifacts import DatasetRow
+from ..schemas.artifacts import DatasetRow, ProbeRow
 from ..schemas.config import ProbesConfig, ReconConfig
 from .probes import Unit, held_out_units, split_units
 
@@ -42,6 +43,14 @@ def withheld_units(n_units: int, recon: ReconConfig, probes: ProbesConfig) -> se
     chosen = random.Random(recon.seed).sample(blocks, k)
     return {u for b in chosen for u in range(b * probes.block_units, min(n_units, (b + 1) * probes.block_units))
             if u in held}
+
+
+def withheld_probes(text: str, recon: ReconConfig, probes: ProbesConfig, rows: Sequence[ProbeRow]) -> set[str]:
+    """Ids of the held-out probes among ``rows`` lying wholly in the units reconstruction leaves out
+    (``probes_withheld``: what a state keeps of text nobody reconstructed)."""
+    withheld = withheld_units(len(split_units(text)), recon, probes)
+    return {p.probe_id for p in rows if p.split == "probes"
+            and all(u in withheld for u in range(p.first_unit, p.last_unit + 1))}
 
 
 def make_recon(text: str, recon: ReconConfig, probes: ProbesConfig) -> list[ReconSpan]:

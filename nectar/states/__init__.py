@@ -12,6 +12,9 @@ counted the same way (every saved tensor).
                       document (max over its spans; KVzip's context reconstruction), one budget across
                       all layers and KV heads, sinks kept, then β and values fitted in closed form
                       (recon_fit.py over reconstruction.py; its fields switch each step)
+  recon_mixed         recon_fit's keys with each (layer, KV head)'s pairs at int2 / int4 / int8 (the rest
+                      evicted), chosen across the state by distortion removed per byte (recon_mixed.py;
+                      stored as one module per precision: scored, not yet servable from one file)
   truncate            the exact KV of the first ⌊ρ·n⌋ context tokens in every layer: the document cut
                       to fit the budget, keeping its START (the chat template's header — the attention
                       sink — and the first part of the text)

@@ -23,8 +23,8 @@ from ..modules.budget import ragged_pair_bytes
 from ..modules.builder import ModulePlan, NectarModule
 from ..schemas.config import ModuleConfig, SelectionConfig
 from .interface import FitInputs, FittedState, StateMethod
-from .reconstruction import (allocate, anchor_mask, build_selected, combined_scores, recon_capture, selection_plan,
-                             template_mask, train_scores)
+from .reconstruction import (ReconCapture, allocate, anchor_mask, build_selected, combined_scores, recon_capture,
+                             selection_plan, template_mask, train_scores)
 from .train_queries import MAX_FIT_TOKENS, QueryTargets, training_queries
 
 
@@ -39,34 +39,57 @@ def fit_recon(base: BaseLM, layout: PromptLayout, document: str, doc_kv, targets
     added to it (recon_s, allocate_s and build_selected's fit_mass_s / fit_values_s), for the first
     state's profile."""
     timings = {} if timings is None else timings
+    cap, train, scores = ranking(base, layout, doc_kv, targets, plan, select, spans, seed, timings)
+    pair_bytes = ragged_pair_bytes(plan.head_dim, select.fit, plan.bits, plan.quant_group)
+    start = time.perf_counter()
+    kept = allocate(scores, plan, pair_bytes, select.budget, anchors(layout, document, select))
+    timings["allocate_s"] = timings.get("allocate_s", 0.0) + time.perf_counter() - start
+    qplan = selection_plan(plan, kept, select.fit)
+    queries = fit_queries(cap, train, select, seed) if select.fit else None
+    module = build_selected(qplan, kept, doc_kv, queries, select.quant_aware, timings=timings)
+    return FittedState(ReconFit.name, module, qplan, scores=scores)  # scores [L, Hkv, n]: what the allocation ranked
+
+
+def ranking(base: BaseLM, layout: PromptLayout, doc_kv, targets, plan: ModulePlan, select: SelectionConfig,
+            spans: list[tuple[str, str]], seed: int = 0, timings: dict[str, float] | None = None
+            ) -> tuple[ReconCapture, QueryTargets | None, torch.Tensor]:
+    """What the allocation ranks keys by: the reconstruction capture, the targets' train queries (when
+    the ranking or the fit reads them, else None) and the scores [L, Hkv, n] — the reconstruction
+    queries' (``score_queries`` "recon"), or the max of theirs and the train queries', each normalised
+    at the cut the plan's bytes make at ``plan.bits`` ("recon+train")."""
+    timings = {} if timings is None else timings
     start = time.perf_counter()
     cap = recon_capture(base, layout, doc_kv, spans, select.aggregate)
     timings["recon_s"] = timings.get("recon_s", 0.0) + time.perf_counter() - start
-    template = template_mask(layout, document) if select.template_tokens else None
-    pair_bytes = ragged_pair_bytes(plan.head_dim, select.fit, plan.bits, plan.quant_group)
     uses_train = targets is not None and ((select.fit and "train" in select.fit_queries)
                                           or "train" in select.score_queries)
     train = training_queries(targets, seed) if uses_train else None
     scores = cap.scores
     if select.score_queries == "recon+train" and train is not None:
+        pair_bytes = ragged_pair_bytes(plan.head_dim, select.fit, plan.bits, plan.quant_group)
         cut = 4 * plan.num_kv_heads * sum(plan.budgets) // pair_bytes
         scores = combined_scores(cap.scores, train_scores(train, doc_kv.keys, plan.scaling, select.aggregate), cut)
-    start = time.perf_counter()
-    kept = allocate(scores, plan, pair_bytes, select.budget, anchor_mask(layout.n, select.sink_tokens, template))
-    timings["allocate_s"] = timings.get("allocate_s", 0.0) + time.perf_counter() - start
-    qplan = selection_plan(plan, kept, select.fit)
-    queries = None
-    if select.fit:
-        queries = QueryTargets(cap.q, cap.alpha, cap.A)
-        if len(queries.q) > MAX_FIT_TOKENS:
-            keep = torch.from_numpy(np.sort(np.random.default_rng(seed).choice(len(queries.q), MAX_FIT_TOKENS,
-                                                                               replace=False)))
-            queries = QueryTargets(queries.q[keep], queries.alpha[keep], queries.A[keep])
-        if select.fit_queries == "recon+train" and train is not None:
-            queries = QueryTargets(torch.cat([queries.q, train.q.float()]), torch.cat([queries.alpha, train.alpha.float()]),
-                                   torch.cat([queries.A, train.A.float()]))
-    module = build_selected(qplan, kept, doc_kv, queries, select.quant_aware, timings=timings)
-    return FittedState(ReconFit.name, module, qplan, scores=scores)  # scores [L, Hkv, n]: what the allocation ranked
+    return cap, train, scores
+
+
+def anchors(layout: PromptLayout, document: str, select: SelectionConfig) -> torch.Tensor:
+    """[n] bool: the keys every selection keeps (sinks, and the template's tokens when asked for)."""
+    template = template_mask(layout, document) if select.template_tokens else None
+    return anchor_mask(layout.n, select.sink_tokens, template)
+
+
+def fit_queries(cap: ReconCapture, train: QueryTargets | None, select: SelectionConfig, seed: int = 0) -> QueryTargets:
+    """The queries β and values are fitted on: the reconstruction's response tokens (at most
+    MAX_FIT_TOKENS, a seeded sample), then the train queries with ``fit_queries`` "recon+train"."""
+    queries = QueryTargets(cap.q, cap.alpha, cap.A)
+    if len(queries.q) > MAX_FIT_TOKENS:
+        keep = torch.from_numpy(np.sort(np.random.default_rng(seed).choice(len(queries.q), MAX_FIT_TOKENS,
+                                                                           replace=False)))
+        queries = QueryTargets(queries.q[keep], queries.alpha[keep], queries.A[keep])
+    if select.fit_queries == "recon+train" and train is not None:
+        queries = QueryTargets(torch.cat([queries.q, train.q.float()]), torch.cat([queries.alpha, train.alpha.float()]),
+                               torch.cat([queries.A, train.A.float()]))
+    return queries
 
 
 @dataclass(frozen=True)

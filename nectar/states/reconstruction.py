@@ -262,6 +262,8 @@ def build_selected(plan: ModulePlan, kept: list[list[torch.Tensor]], doc_kv, que
             A = group_queries(queries.A[:, layer].float(), hkv)  # [T·g, Hkv, d]
         for h, idx in enumerate(kept[layer]):
             c = idx.numel()
+            if c == 0:  # a head this state keeps nothing of (a mixed-precision part): all slots masked
+                continue
             Wh = rows(keys[h, idx])  # [c, d]
             W[h, :c], Z[h, :c], B[h, :c] = Wh, values[h, idx], 0.0
             if queries is not None:

@@ -17,6 +17,7 @@ from .interface import FitInputs, FittedState, StateMethod
 from .kvpress_press import PREFIX as KVPRESS_PREFIX
 from .kvpress_press import KvpressPress
 from .recon_fit import ReconFit
+from .recon_mixed import ReconMixed
 from .selection import KeyScore
 from .truncate import Truncate
 
@@ -35,7 +36,7 @@ def unregister(name: str) -> None:
     METHODS.pop(name, None)
 
 
-for _m in (Truncate(), Evict(), AttentionMatching(), AttentionMatchingKV(), ReconFit()):
+for _m in (Truncate(), Evict(), AttentionMatching(), AttentionMatchingKV(), ReconFit(), ReconMixed()):
     register(_m)
 
 

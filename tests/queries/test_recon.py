@@ -11,11 +11,13 @@ from targets_fixture import DOC, dataset_rows  # noqa: E402
 
 from nectar.attention.doc_kv import prefill_document  # noqa: E402
 from nectar.evaluation.selection import Selection, split_pools, with_subset  # noqa: E402
+from nectar.documents import load_document  # noqa: E402
 from nectar.layout import build_layout  # noqa: E402
 from nectar.schemas.artifacts import SPLIT_CODES, TargetsPairRow  # noqa: E402
 from nectar.schemas.config import EvaluateConfig, ProbesConfig, ReconConfig, TargetsConfig  # noqa: E402
 from nectar.queries.probes import split_units  # noqa: E402
-from nectar.queries.recon import make_recon, recon_dataset_rows, withheld_units  # noqa: E402
+from nectar.queries.probes import make_probes  # noqa: E402
+from nectar.queries.recon import make_recon, recon_dataset_rows, withheld_probes, withheld_units  # noqa: E402
 from nectar.stages.targets import build_targets  # noqa: E402
 from nectar.tables import read_table  # noqa: E402
 from nectar.targets.store import open_targets  # noqa: E402
@@ -57,6 +59,19 @@ def test_the_default_reconstructs_the_whole_document_and_withholding_is_opt_in()
     assert held and not held & partial and held | partial == set(range(n_units))
     sel = Selection([], {}, {"probes": ["a", "b"]})
     assert with_subset(sel, "probes", "probes_withheld", set(), EvaluateConfig()) is sel
+
+
+def test_withheld_probes_lie_wholly_in_the_withheld_units():
+    # probes_withheld: the held-out probes lying wholly in the units reconstruction leaves out (none at
+    # the default); on a real document (the default one) with the probes' default blocks
+    text, _ = load_document("pydoc:naming")
+    probes, recon = ProbesConfig(), ReconConfig(withheld_fraction=0.1)
+    rows = make_probes(text, probes)
+    held = withheld_units(len(split_units(text)), recon, probes)
+    ids = withheld_probes(text, recon, probes, rows)
+    assert ids and withheld_probes(text, ReconConfig(), probes, rows) == set()
+    assert ids == {p.probe_id for p in rows if p.split == "probes"
+                   and set(range(p.first_unit, p.last_unit + 1)) <= held}
 
 
 def test_further_passes_retile_the_document_and_pass_one_is_unchanged():
