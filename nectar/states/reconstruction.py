@@ -72,8 +72,10 @@ class _ScoreRecorder:
         keys = self.keys[layer].float()  # [Hkv, n, d]
         hkv, hq = keys.shape[0], qr.shape[0]
         g = hq // hkv
-        logits = torch.einsum("hgrd,hnd->hgrn", qr.reshape(hkv, g, -1, qr.shape[-1]), keys) * self.scaling
-        probs = torch.exp(logits - total.reshape(hkv, g, -1, 1))  # [Hkv, g, R, n]
+        logits = torch.einsum("hgrd,hnd->hgrn", qr.reshape(hkv, g, -1, qr.shape[-1]), keys)  # [Hkv, g, R, n]
+        # in place: the same operations as exp(logits · s − total), without two more [Hkv, g, R, n] buffers
+        # (at R = 1k response rows and n = 3.7k keys each is 134 MB of memory traffic per layer)
+        probs = logits.mul_(self.scaling).sub_(total.reshape(hkv, g, -1, 1)).exp_()  # [Hkv, g, R, n]
         if self.aggregate == "max":
             self.scores[layer] = torch.maximum(self.scores[layer], probs.amax(dim=(1, 2)))
         else:
