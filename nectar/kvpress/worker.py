@@ -131,6 +131,21 @@ def build_press(name: str, compression_ratio: float):
     return getattr(kvpress, wrapper)(press) if wrapper else press
 
 
+def model_config(req: dict):
+    """The model folder's config, with the RoPE our model runs with when the request carries one
+    (YaRN or another static scaling applied at load): the same positions, or the guard refuses."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(req["model_dir"])
+    if req.get("rope_parameters"):
+        config.rope_parameters = dict(req["rope_parameters"])
+        config.max_position_embeddings = int(req["max_position_embeddings"])
+        for step in ("standardize_rope_params", "validate_rope"):
+            if hasattr(config, step):
+                getattr(config, step)()
+    return config
+
+
 def reset_masks(model) -> None:
     """Head-wise presses (KVzip, AdaKV) leave the pruned indices on the attention modules; the next
     job must start without them."""
@@ -216,8 +231,8 @@ def run(workdir: Path) -> dict:
     req = json.loads((workdir / "request.json").read_text())
     torch.set_num_threads(int(req.get("threads") or torch.get_num_threads()))
     ref = np.load(workdir / "reference.npy", mmap_mode="r")  # [K, V]
-    model = AutoModelForCausalLM.from_pretrained(req["model_dir"], dtype=getattr(torch, req["dtype"]),
-                                                 attn_implementation="sdpa").eval()
+    model = AutoModelForCausalLM.from_pretrained(req["model_dir"], config=model_config(req),
+                                                 dtype=getattr(torch, req["dtype"]), attn_implementation="sdpa").eval()
     quant = load_quantization(req.get("quantization_py"))
     doc_ids = torch.tensor([req["doc_ids"]], dtype=torch.long)  # [1, n]
     n, pairs = doc_ids.shape[1], req["pairs"]

@@ -104,3 +104,26 @@ def test_press_names_resolve_and_hub_presses_are_listed_unavailable():
     with pytest.raises(ConfigError, match="precision 'int3'"):
         kvpress_systems("kvpress:knorm:int3")
     assert set(UNAVAILABLE).isdisjoint(PRESSES)
+
+
+
+def test_the_worker_loads_the_folder_with_the_runs_rope(tiny_llama, tiny_llama_yarn, tmp_path):
+    """The embedded model's folder has no RoPE scaling; a run with model.yarn_factor applies it at load.
+    The request carries the run's RoPE and the worker's config takes it, so kvpress rotates positions as
+    our model does — without it the guard refused every row of a 7.7k-token document (KL 4.6; the tiny
+    random model's near-uniform outputs hide the difference, so this checks the rotary itself)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from nectar.kvpress.bridge import request
+    from nectar.kvpress.worker import model_config
+
+    tiny_llama.model.save_pretrained(tmp_path / "plain")  # the folder as the embedded model's is: no scaling
+    req, _ = request(tiny_llama_yarn, tmp_path / "plain", [1, 2, 3], [], [], None)
+    assert req["rope_parameters"]["rope_type"] == "yarn" and req["max_position_embeddings"] == 8192
+    loaded = AutoModelForCausalLM.from_config(model_config(req)).model.rotary_emb
+    ours = tiny_llama_yarn.model.model.rotary_emb
+    assert loaded.rope_type == "yarn" and loaded.attention_scaling == ours.attention_scaling
+    assert torch.allclose(loaded.inv_freq, ours.inv_freq)
+    plain, _ = request(tiny_llama, tmp_path / "plain", [1, 2, 3], [], [], None)
+    assert model_config(plain).rope_parameters["rope_type"] == "default"
