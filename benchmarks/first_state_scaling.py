@@ -107,7 +107,7 @@ def run_one(n_tokens: int, nnls_log: list, scipy_every: int = 0) -> dict:
     finally:
         setattr(matching_fit, name, real_nnls)
     sizes = [p for p, _ in nnls_log]
-    counts["nnls_s"] = round(sum(s for _, s in nnls_log), 2)
+    counts["nnls_s"] = round(sum(s for _, s in nnls_log), 2)  # thread-seconds: two heads are fitted at a time
     counts["nnls_p_max"] = max(sizes, default=0)
     counts["nnls_p_mean"] = round(sum(sizes) / max(len(sizes), 1), 1)
     if old:  # every scipy_every-th head through both solvers: the old total estimated from the sample

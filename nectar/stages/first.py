@@ -40,8 +40,8 @@ def first_plan(train_module: ModuleConfig, cfg: FirstConfig, base: BaseLM, n_con
 def first_state(base: BaseLM, text: str, cfg: FirstConfig, train_module: ModuleConfig, recon: ReconConfig,
                 probes: ProbesConfig, doc_sha256: str, out_url: str, max_query_tokens: int = 0) -> dict:
     """Prefill, reconstruct, select and fit; write the module and its spec into ``out_url``; return
-    the stage counts with the seconds of each part (prefill_s, recon_s, allocate_s, fit_mass_s,
-    fit_values_s, write_s) — the profile ``nectar run`` and benchmarks/first_state_scaling.py report."""
+    the stage counts with the seconds of each part (prefill_s, recon_s, allocate_s, fit_s with its
+    shares fit_mass_s and fit_values_s, write_s) — the profile ``nectar run`` and benchmarks/first_state_scaling.py report."""
     from ..attention.doc_kv import prefill_document
 
     timings: dict[str, float] = {}
