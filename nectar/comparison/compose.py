@@ -10,7 +10,9 @@ the documents concatenated (docs/quality.md, "Several documents at once").
   3. states  each baseline system fitted on each document alone, from that run's document KV (ρ of
              each document's KV, so a composition holds ρ of the KVs' total bytes); ``module``: each
              run's trained module. Composed under every asked layout (nectar/attention/compose.py),
-             and each part alone (at its concat offset) to show what the other documents add
+             and each part alone (at its concat offset) to show what the other documents add.
+             ``<recon_fit system>+gaps``: each document refitted at the gap its place in the layout
+             puts after it (recon_fit ``fit_gaps``, ``part_gaps``), paired against the plain one
   4. score   every provider on every prompt (teacher forced, paired bootstrap over prompts); kvpress
              presses on the concatenated context in their own venv; paired Δ of each composition to the
              best press at the same ρ
