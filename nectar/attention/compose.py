@@ -59,6 +59,16 @@ def composed_layout(lengths: Sequence[int], positions: str = "concat") -> Layout
     return Layout(total, tuple(offsets))
 
 
+def part_gaps(lengths: Sequence[int], positions: str = "concat") -> tuple[int, ...]:
+    """Per part: how many positions after its own end the composed question starts (in the part's own
+    frame: its keys at 0 … n_k − 1, the question at n_k + gap_k). ``concat``: the tokens of the parts
+    after it (0 for the last); ``own``: 0; ``longest``: the longest minus its own length. The question's
+    ``at`` in ``compose`` does not change them (the shifts absorb it). A state fitted with its
+    reconstruction queries at this gap (recon_fit ``fit_gaps``) has seen the distances it is asked from."""
+    lay = composed_layout(lengths, positions)
+    return tuple(lay.n - s - n for s, n in zip(lay.shifts, lengths))
+
+
 class RopeShift:
     """Rotates post-RoPE queries to another position: q at p → q at p − δ (RoPE is a rotation per
     frequency, so rotating by −δ moves the query δ positions back, exactly).

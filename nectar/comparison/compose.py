@@ -10,7 +10,9 @@ the documents concatenated (docs/quality.md, "Several documents at once").
   3. states  each baseline system fitted on each document alone, from that run's document KV (ρ of
              each document's KV, so a composition holds ρ of the KVs' total bytes); ``module``: each
              run's trained module. Composed under every asked layout (nectar/attention/compose.py),
-             and each part alone (at its concat offset) to show what the other documents add
+             and each part alone (at its concat offset) to show what the other documents add.
+             ``<recon_fit system>+gaps``: each document refitted at the gap its place in the layout
+             puts after it (recon_fit ``fit_gaps``, ``part_gaps``), paired against the plain one
   4. score   every provider on every prompt (teacher forced, paired bootstrap over prompts); kvpress
              presses on the concatenated context in their own venv; paired Δ of each composition to the
              best press at the same ρ
@@ -28,7 +30,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..attention.compose import POSITIONS, CompositionError, compose, refuse_different_models, shared_prefix
+from ..attention.compose import POSITIONS, CompositionError, compose, part_gaps, refuse_different_models, shared_prefix
 from ..attention.doc_kv import DocKV, prefill_document
 from ..attention.exact import ExactDocState
 from ..states import FitInputs, FittedState
@@ -41,10 +43,11 @@ from ..orchestration.context import RunContext, load_base
 from ..orchestration.executor import RunDir, now
 from ..schemas.artifacts import ComparisonRow, ProbeRow
 from ..schemas.presets import ConfigError
+from ..schemas.renamed import renamed
 from ..queries.probes import make_probes
 from ..queries.recon import make_recon
 from ..storage import atomic_write
-from .differences import to_best_press
+from .differences import paired, to_best_press
 from .inputs import CompareInputError, open_for_compare
 from .jobs import baseline_plan
 from .outputs import write_comparison
@@ -53,6 +56,9 @@ from .table import comparison_markdown, differences_markdown
 from .systems import System, resolve, system_method
 
 SEPARATOR = "\n\n"  # between the documents of the reference context
+# a recon_fit system named with this suffix (``recon_fit@int4+gaps``) fits each document with its
+# reconstruction queries also at the gap its place in the layout implies (``part_gaps``): a compose-time refit
+GAPS = "+gaps"
 BOTH = "Quote the sentence of the documents that contains the phrase «{a}», then the one that contains «{b}»."
 
 
@@ -156,21 +162,32 @@ class State:
     arch: str | None
 
 
-def fit_part(part: Part, s: System, rho: float, base, cache_dir: str | None = None) -> State:
+def fit_part(part: Part, s: System, rho: float, base, cache_dir: str | None = None, gap: int = 0) -> State:
     """A baseline fitted on one document alone (its own KV, reconstruction spans, targets if the run has
-    them), in ρ of that document's KV; or the run's trained module (``module``). ``cache_dir``: fitted
-    states are kept there and reused by a later compare with the same output folder (another layout,
-    another press: minutes of fitting saved); delete it after changing the fit."""
+    them), in ρ of that document's KV; or the run's trained module (``module``). ``gap``: a ``+gaps``
+    system's reconstruction queries are also asked from that many positions further (recon_fit
+    ``fit_gaps``; 0: the system without the suffix, the same state). ``cache_dir``: fitted states are
+    kept there and reused by a later compare with the same output folder (another layout, another press:
+    minutes of fitting saved), named by ``state_key``; delete it after changing the fit."""
     path = None
     if cache_dir is not None and s.name != "module":
-        path = f"{cache_dir}/{part.label}-{part.ctx.info.sha256[:12]}-{s.name}-rho{rho:g}.pt"
+        path = f"{cache_dir}/{part.label}-{part.ctx.info.sha256[:12]}-{state_key(s, gap)}-rho{rho:g}.pt"
         cached = _load_state(path, base)
         if cached is not None:
             return cached
-    state = _fit_part(part, s, rho, base)
+    state = _fit_part(part, s, rho, base, gap)
     if path is not None:
         _save_state(path, state)
     return state
+
+
+def state_key(s: System, gap: int = 0) -> str:
+    """The cached state's name: the system's, and for a ``+gaps`` system the gap it was fitted at (at
+    gap 0 it is the plain system's state, reused as such)."""
+    if not s.name.endswith(GAPS):
+        return s.name
+    plain = s.name.removesuffix(GAPS)
+    return f"{plain}+gap{gap}" if gap else plain
 
 
 def _load_state(path: str, base) -> State | None:
@@ -197,7 +214,7 @@ def _save_state(path: str, state: State) -> None:
     atomic_write(path, lambda f: torch.save(blob, f))
 
 
-def _fit_part(part: Part, s: System, rho: float, base) -> State:
+def _fit_part(part: Part, s: System, rho: float, base, gap: int = 0) -> State:
     ctx = part.ctx
     t0 = time.perf_counter()
     if s.name == "module":
@@ -212,6 +229,8 @@ def _fit_part(part: Part, s: System, rho: float, base) -> State:
     targets = ctx.stage_run("targets").url("targets")
     has_targets = ctx.stage_run("targets").read_manifest("targets") is not None
     method = system_method(s, ctx.config.train.module)
+    if gap:
+        method = method.with_options(fit_gaps=(gap,))
     inputs = FitInputs(part.doc_kv, targets if has_targets else None, seed=ctx.config.train.seed, bits=s.bits)
     if method.reads_document:
         tcfg = ctx.config.targets
@@ -246,16 +265,25 @@ class Entry:
 def composed_entries(parts: list[Part], s: System, rho: float, positions: list[str], base, n: int,
                      log: Callable[[str], None], cache_dir: str | None = None, prefix=None) -> list[Entry]:
     """The system fitted on every document, composed under each layout (and, given the shared template
-    prefix's exact state, with that prefix held once: ``+once``), and each document alone."""
-    states = []
-    for part in parts:
-        st = fit_part(part, s, rho, base, cache_dir)
-        log(f"compose: {s.name} @ {rho:g} on {part.label}: {st.nbytes / 1e6:.3f} MB in {st.seconds:.0f} s")
-        states.append(st)
+    prefix's exact state, with that prefix held once: ``+once``), and each document alone. A ``+gaps``
+    system fits each document at the gap each layout puts after it (``part_gaps``): one set of states
+    per layout, each document alone with its ``concat`` one."""
     lengths = [p.layout.n for p in parts]
-    total, secs = sum(st.nbytes for st in states), sum(st.seconds for st in states)
+    fitted: dict[tuple[int, int], State] = {}
+
+    def states_for(pos: str) -> list[State]:
+        gaps = part_gaps(lengths, pos) if s.name.endswith(GAPS) else (0,) * len(parts)
+        for i, (part, gap) in enumerate(zip(parts, gaps)):
+            if (i, gap) not in fitted:
+                st = fitted[i, gap] = fit_part(part, s, rho, base, cache_dir, gap)
+                log(f"compose: {s.name} @ {rho:g} on {part.label}" + (f" (gap {gap})" if gap else "")
+                    + f": {st.nbytes / 1e6:.3f} MB in {st.seconds:.0f} s")
+        return [fitted[i, gap] for i, gap in enumerate(gaps)]
+
     out = []
     for pos in positions:
+        states = states_for(pos)
+        total, secs = sum(st.nbytes for st in states), sum(st.seconds for st in states)
         for once in ([False, True] if prefix is not None else [False]):
             provider, _ = compose([st.provider for st in states], lengths, pos, base.model, at=n,
                                   prefix=prefix if once else None)
@@ -264,7 +292,7 @@ def composed_entries(parts: list[Part], s: System, rho: float, positions: list[s
                              f"{len(parts)} states composed, positions {pos}"
                              + (", template prefix held once (its exact KV from the model, not stored)" if once else ""),
                              states[0].arch, s.name, layout))
-    for i, (part, st) in enumerate(zip(parts, states)):
+    for i, (part, st) in enumerate(zip(parts, states_for("concat"))):
         only = [st.provider if j == i else None for j in range(len(parts))]
         provider, _ = compose(only, lengths, "concat", base.model, at=n)
         out.append(Entry(f"alone:{part.label}:{s.name}@{rho:g}", "baseline", rho, provider, st.nbytes, st.seconds,
@@ -332,11 +360,31 @@ def _save_press(workdir: str, key: str, pair_ids: list[str], context_ids, r: Pre
     atomic_write(_press_path(workdir, key), json.dumps(blob))
 
 
+def with_gaps(names: list[str]) -> list[System]:
+    """The systems asked for (``resolve``), each ``<recon_fit system>+gaps`` right after the system it
+    refits at the composition's gaps; a ``+gaps`` of any other system is refused in one line."""
+    gapped = {renamed("system", n.removesuffix(GAPS)) for n in names if n.endswith(GAPS)}
+    plain = {renamed("system", n) for n in names if not n.endswith(GAPS)}
+    resolved = resolve(list(dict.fromkeys(n.removesuffix(GAPS) for n in names if n != "module")))
+    chosen = []
+    for s in resolved:
+        if s.kind == "kvpress" or s.name in plain:
+            chosen.append(s)
+        if s.name in gapped:
+            if s.kind != "baseline" or s.method != "recon_fit" or not s.options.get("fit", True):
+                raise ConfigError(f"system {s.name}{GAPS}: only a fitted recon_fit system (recon_fit@int4, …) "
+                                  "refits its β and values at a composition's gaps; drop the suffix")
+            chosen.append(dataclasses.replace(s, name=s.name + GAPS, default=False,
+                                              description=s.description + ", fitted also at the gap its place "
+                                              "in the composition puts after each document"))
+    return chosen
+
+
 def plan_systems(systems: list[str] | None, positions: list[str] | None) -> tuple[list[System], list[str]]:
     names = systems or ["none", "full", "recon_fit@int4"]
     own = [n for n in names if n == "module"]
     try:
-        chosen = resolve([n for n in names if n != "module"])
+        chosen = with_gaps(names)
     except ConfigError as exc:
         raise CompareInputError(str(exc)) from None
     if own:
@@ -402,12 +450,22 @@ def compare_composed(run_dirs: list[str], out_dir: str, systems: list[str] | Non
     providers = {e.key: e.provider for e in entries if e.kind != "kvpress"}
     sums, quality = score_providers(base, layout.n, providers, sel, cfg, SCORE_BATCH, 8, None, timings, sums_extra)
     notes["differences"] = to_best_press([(e.key, e.rho, e.kind == "kvpress") for e in entries], sums, sel,
-                                        quality, cfg)
+                                        quality, cfg) + to_plain(entries, sums, sel, quality, cfg)
     facts = {"runs": [c.run.root for c in ctxs], "documents": [c.info.source_uri for c in ctxs],
              "model": base.name, "n": layout.n, "n_parts": [p.layout.n for p in parts], "n_shared_prefix": len(common),
              "kv_bytes": full_kv.nbytes(), "kv_bytes_parts": [p.doc_kv.nbytes() for p in parts],
              "kv_dtype": str(full_kv.keys[0].dtype).removeprefix("torch."), "created_at": now()}
     return write(out_dir, entries, quality, facts, timings, notes)
+
+
+def to_plain(entries: list[Entry], sums: dict, sel: Selection, quality, cfg) -> list[dict[str, Any]]:
+    """Each ``+gaps`` entry against the same layout of the system it refits, when both were scored:
+    what fitting at the composition's gaps adds, paired on the same prompts."""
+    keys = {e.key for e in entries}
+    pairs = [(e.key, plain) for e in entries if GAPS + "@" in e.key
+             and (plain := e.key.replace(GAPS + "@", "@")) in keys]
+    return [d for split, idx in sel.split_index().items() if len(idx) and split in quality
+            for d in paired(sums, idx, split, pairs, cfg)]
 
 
 def rows(entries: list[Entry], quality) -> list[ComparisonRow]:

@@ -100,7 +100,8 @@ def differences_markdown(differences: list[dict[str, Any]]) -> str:
         return ""
     lines = ["", "", "## Paired differences: recovered KL minus a reference's at the same budget", "",
              "The reference is the best kvpress press at that budget, or, for a refined state, the closed-form "
-             "state its gradient steps start from. Points of recovered KL, 95 % paired bootstrap over the "
+             "state its gradient steps start from, or, for a `+gaps` composition, the same composition fitted "
+             "without the gaps. Points of recovered KL, 95 % paired bootstrap over the "
              "split's pairs (the same resamples as the intervals above): an interval wholly above 0 means the "
              "system keeps more of the document than the reference on these pairs; one containing 0 is a tie.", "",
              "| split | system | reference | pairs | Δ recovered KL, points [95% CI] |", "|---|---|---|---|---|"]

@@ -5,7 +5,7 @@ Every stage function takes its own config plus flat arguments; nothing here is s
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -224,6 +224,9 @@ class SelectionConfig(FrozenConfig):
     # below 32 bits: fit β to the keys as stored and the values to those keys and β as stored (else
     # fit in float, then round)
     quant_aware: bool = added_setting(True)
+    # the fit's reconstruction queries also placed these many positions after the document (the distances
+    # a composition asks a document from when other documents follow it: ``compose`` sets them per part)
+    fit_gaps: tuple[Annotated[int, Field(gt=0)], ...] = added_setting(())
 
 
 class FirstConfig(FrozenConfig):

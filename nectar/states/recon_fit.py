@@ -45,7 +45,12 @@ def fit_recon(base: BaseLM, layout: PromptLayout, document: str, doc_kv, targets
     kept = allocate(scores, plan, pair_bytes, select.budget, anchors(layout, document, select))
     timings["allocate_s"] = timings.get("allocate_s", 0.0) + time.perf_counter() - start
     qplan = selection_plan(plan, kept, select.fit)
-    queries = fit_queries(cap, train, select, seed) if select.fit else None
+    queries = None
+    if select.fit:
+        start = time.perf_counter()
+        gapped = [recon_capture(base, layout, doc_kv, spans, select.aggregate, gap=g) for g in select.fit_gaps]
+        timings["recon_gaps_s"] = timings.get("recon_gaps_s", 0.0) + time.perf_counter() - start
+        queries = fit_queries(cap, train, select, seed, gapped)
     module = build_selected(qplan, kept, doc_kv, queries, select.quant_aware, timings=timings)
     return FittedState(ReconFit.name, module, qplan, scores=scores)  # scores [L, Hkv, n]: what the allocation ranked
 
@@ -78,17 +83,28 @@ def anchors(layout: PromptLayout, document: str, select: SelectionConfig) -> tor
     return anchor_mask(layout.n, select.sink_tokens, template)
 
 
-def fit_queries(cap: ReconCapture, train: QueryTargets | None, select: SelectionConfig, seed: int = 0) -> QueryTargets:
+def fit_queries(cap: ReconCapture, train: QueryTargets | None, select: SelectionConfig, seed: int = 0,
+                gapped: list[ReconCapture] = ()) -> QueryTargets:
     """The queries β and values are fitted on: the reconstruction's response tokens (at most
-    MAX_FIT_TOKENS, a seeded sample), then the train queries with ``fit_queries`` "recon+train"."""
+    MAX_FIT_TOKENS, a seeded sample), the same spans asked from each of ``select.fit_gaps`` further
+    (``gapped``: their captures; at most MAX_FIT_TOKENS each, the same seeded sample, so every gap
+    weighs as much as the document alone), then the train queries with ``fit_queries`` "recon+train"."""
+    parts = [_sampled(c, seed) for c in (cap, *gapped)]
+    queries = parts[0] if len(parts) == 1 else QueryTargets(*(torch.cat(x) for x in zip(*((p.q, p.alpha, p.A)
+                                                                                          for p in parts))))
+    if select.fit_queries == "recon+train" and train is not None:
+        queries = QueryTargets(torch.cat([queries.q, train.q.float()]), torch.cat([queries.alpha, train.alpha.float()]),
+                               torch.cat([queries.A, train.A.float()]))
+    return queries
+
+
+def _sampled(cap: ReconCapture, seed: int) -> QueryTargets:
+    """The capture's (q, α, A) [T, L, Hq, (d)], at most MAX_FIT_TOKENS rows (a seeded sample)."""
     queries = QueryTargets(cap.q, cap.alpha, cap.A)
     if len(queries.q) > MAX_FIT_TOKENS:
         keep = torch.from_numpy(np.sort(np.random.default_rng(seed).choice(len(queries.q), MAX_FIT_TOKENS,
                                                                            replace=False)))
         queries = QueryTargets(queries.q[keep], queries.alpha[keep], queries.A[keep])
-    if select.fit_queries == "recon+train" and train is not None:
-        queries = QueryTargets(torch.cat([queries.q, train.q.float()]), torch.cat([queries.alpha, train.alpha.float()]),
-                               torch.cat([queries.A, train.A.float()]))
     return queries
 
 
@@ -107,6 +123,9 @@ class ReconFit(StateMethod):
     fit_queries: Literal["recon", "recon+train"] = "recon+train"  # queries of the closed-form fit
     score_queries: Literal["recon", "recon+train"] = "recon"  # queries whose attention ranks the keys
     quant_aware: bool = True  # below 32 bits: fit β and values to the keys (and β) as stored
+    # the fit's reconstruction queries also asked from these many tokens further away (a composition's
+    # distances: nectar/attention/compose.py ``part_gaps``); the key ranking stays the document's own
+    fit_gaps: tuple[int, ...] = ()
 
     name = "recon_fit"
     READS = frozenset({"doc_kv", "document", "train_queries"})

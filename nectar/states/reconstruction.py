@@ -87,8 +87,13 @@ class _ScoreRecorder:
 
 @torch.no_grad()
 def recon_capture(base: BaseLM, layout: PromptLayout, doc_kv, spans: list[tuple[str, str]],
-                  aggregate: str = "max") -> ReconCapture:
-    """Run the reconstruction spans ((instruction, response) pairs) against the exact document KV."""
+                  aggregate: str = "max", gap: int = 0) -> ReconCapture:
+    """Run the reconstruction spans ((instruction, response) pairs) against the exact document KV.
+
+    ``gap``: the spans start ``gap`` positions after the document (at n + gap instead of n) while its
+    keys stay at 0 … n − 1 — as a composition asks this document when ``gap`` tokens of other
+    documents follow it (nectar/attention/compose.py ``part_gaps``). Their (α, A) over this document's
+    keys are exactly this part's share of the composed merge; 0 is the document alone, bit for bit."""
     if not spans:
         raise ValueError("no reconstruction spans: the document has no unit outside the withheld blocks")
     pairs = [layout.pair(i, r) for i, r in spans]
@@ -98,7 +103,7 @@ def recon_capture(base: BaseLM, layout: PromptLayout, doc_kv, spans: list[tuple[
     provider = ExactDocState(doc_kv)
     qs, alphas, As = [], [], []
     for batch in _batches(pairs, RECON_BATCH_TOKENS):
-        ids, positions, segments = pack([p.ids for p in batch], n, base.device)
+        ids, positions, segments = pack([p.ids for p in batch], n + gap, base.device)
         rows = torch.cat([torch.arange(s + p.response_start, e, device=base.device)
                           for p, (s, e) in zip(batch, segments)])  # response tokens (the span itself)
         rec = _ScoreRecorder(keys, rows, base.scaling, aggregate, scores)

@@ -89,3 +89,50 @@ def test_runs_of_different_base_models_are_refused_in_one_line(two_runs, tmp_pat
 def test_one_run_is_not_a_composition(two_runs):
     with pytest.raises(CompareInputError, match="at least two runs"):
         open_runs([two_runs[0]])
+
+
+def test_each_part_is_asked_from_the_tokens_placed_after_it(tiny_llama):
+    from nectar.attention.compose import compose, part_gaps
+
+    assert part_gaps([10, 20, 30], "concat") == (50, 30, 0)
+    assert part_gaps([10, 20, 30], "own") == (0, 0, 0)
+    assert part_gaps([10, 20, 30], "longest") == (20, 10, 0)
+    # the question placed elsewhere (``at``) moves every part's query, not the gaps: part k's frame
+    # puts the question at at − shift_k = n_k + gap_k
+    provider, at = compose([None, None, None], [10, 20, 30], "concat", tiny_llama.model, at=55)
+    assert tuple(at - s for s in provider.shifts) == (10 + 50, 20 + 30, 30 + 0)
+
+
+def test_gap_systems_parse_cache_apart_and_others_are_refused_in_one_line(two_runs, tmp_path):
+    from typer.testing import CliRunner
+
+    from nectar.comparison.compose import plan_systems, state_key
+    from nectar.pipeline.cli import app
+
+    chosen, _ = plan_systems(["none", "recon_fit@int4+gaps", "recon_fit@int4", "kvpress:kvzip:int4"], ["concat"])
+    assert [s.name for s in chosen] == ["none", "recon_fit@int4", "recon_fit@int4+gaps", "kvpress:kvzip:int4"]
+    gaps = chosen[2]
+    assert gaps.method == "recon_fit" and gaps.bits == 4 and gaps.options == chosen[1].options
+    assert state_key(gaps, 0) == state_key(chosen[1]) == "recon_fit@int4"  # gap 0: the plain state, reused
+    assert state_key(gaps, 2044) == "recon_fit@int4+gap2044" != state_key(gaps, 1528)
+    for bad in ("evict@int4+gaps", "recon_select@int4+gaps", "kvpress:kvzip+gaps"):
+        with pytest.raises(CompareInputError, match="only a fitted recon_fit system"):
+            plan_systems([bad], None)
+    res = CliRunner().invoke(app, ["compare", *two_runs, "--systems", "evict@int4+gaps", "--out", str(tmp_path / "o")])
+    assert res.exit_code == 2 and "only a fitted recon_fit system" in res.output
+    assert len(res.output.strip().splitlines()) == 1, res.output
+
+
+@pytest.mark.slow
+def test_gap_fitted_states_are_cached_per_gap_and_compared_with_the_plain_ones(two_runs, tmp_path):
+    out = tmp_path / "out"
+    res = compare_composed(list(two_runs), str(out), ["recon_fit@int4", "recon_fit@int4+gaps"], rhos=[0.2],
+                           positions=["concat"], per_doc=6, both=3, log=lambda _: None)
+    n_parts = json.loads((out / "info.json").read_text())["n_parts"]
+    names = sorted(p.name for p in (out / "states").iterdir())
+    assert len(names) == 3  # both documents' plain states, the first one's at the second's length
+    assert sum(f"recon_fit@int4+gap{n_parts[1]}-" in n for n in names) == 1
+    rows = {r.system for r in read_table(str(out / "comparison.parquet"), ComparisonRow)}
+    assert {"compose[concat+once]:recon_fit@int4+gaps", "alone:varn:recon_fit@int4+gaps"} <= rows
+    assert "| probes | compose[concat+once]:recon_fit@int4+gaps@0.2 | compose[concat+once]:recon_fit@int4@0.2 |" \
+        in res["markdown"]  # paired with the same composition fitted without gaps

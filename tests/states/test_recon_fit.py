@@ -214,3 +214,47 @@ def test_ranking_by_recon_and_train_queries_keeps_keys_of_both(tiny):
     recon = fit_recon(base, layout, DOC, kv, url, plan, SelectionConfig(), spans)
     assert sum(map(sum, both.plan.quad_head_pairs)) == sum(map(sum, recon.plan.quad_head_pairs))  # same bytes
     assert both.plan.quad_head_pairs != recon.plan.quad_head_pairs
+
+
+def test_gap_zero_is_the_capture_of_the_document_alone_bit_for_bit(tiny):
+    base, layout, kv, _, spans = tiny
+    alone, zero = recon_capture(base, layout, kv, spans), recon_capture(base, layout, kv, spans, gap=0)
+    for a, b in zip((alone.scores, alone.q, alone.alpha, alone.A), (zero.scores, zero.q, zero.alpha, zero.A)):
+        assert torch.equal(a, b)
+
+
+def test_a_gap_capture_is_the_exact_attention_of_queries_that_far_after_the_document(tiny):
+    """At gap g the spans sit at n + g …: layer 0's queries are the document-alone ones rotated g
+    positions further (its input is the embeddings), and every layer's (α, A) is the exact attention
+    of the captured queries over the document's keys (the part of a composed merge this document gives)."""
+    from nectar.attention.compose import RopeShift
+
+    base, layout, kv, _, spans = tiny
+    gap = 300
+    near, far = recon_capture(base, layout, kv, spans), recon_capture(base, layout, kv, spans, gap=gap)
+    rope = RopeShift.of_model(base.model)
+    assert close_reordered(far.q[:, 0], rope(near.q[:, 0], -gap), FORWARD)  # [T, Hq, d]
+    exact = ExactDocState(kv, backend="torch")
+    for layer in range(base.num_layers):
+        q = far.q[:, layer].transpose(0, 1).unsqueeze(0)  # [1, Hq, T, d]
+        st = exact(layer, q, base.scaling)
+        assert close_reordered(st.lse[0].T, far.alpha[:, layer], FORWARD)
+        assert close_reordered(st.out[0].transpose(0, 1), far.A[:, layer], FORWARD)
+    assert not torch.allclose(far.alpha, near.alpha, atol=1e-3)  # the distance changes what is asked
+
+
+def test_fitting_at_gaps_adds_the_shifted_queries_and_keeps_the_selection(tiny):
+    from nectar.states.recon_fit import fit_queries
+
+    base, layout, kv, url, spans = tiny
+    select = SelectionConfig(fit_queries="recon", fit_gaps=(300,))
+    near, far = recon_capture(base, layout, kv, spans), recon_capture(base, layout, kv, spans, gap=300)
+    queries = fit_queries(near, None, select, gapped=[far])
+    assert len(queries.q) == len(near.q) + len(far.q)  # below MAX_FIT_TOKENS: every token of both
+    assert torch.equal(queries.alpha[len(near.q):], far.alpha) and torch.equal(queries.q[:len(near.q)], near.q)
+    plan = _plan(base, layout.n, 0.2)
+    plain = fit_recon(base, layout, DOC, kv, url, plan, SelectionConfig(fit_queries="recon"), spans)
+    gapped = fit_recon(base, layout, DOC, kv, url, plan, select, spans)
+    assert gapped.plan == plain.plan  # the ranking is the document's own: the same keys, the same bytes
+    a, b = plain.module.state_dict(), gapped.module.state_dict()
+    assert any(not torch.equal(a[k], b[k]) for k in a)  # … fitted (β, values) on more queries
