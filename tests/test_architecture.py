@@ -234,10 +234,11 @@ def _find_md(ref: str, cited_from: Path) -> Path | None:
 
 
 def _written_names() -> set[str]:
-    """Markdown files the pipeline writes into a run directory (`"report.md"` as a string literal in
-    the package): citing them is citing an output, not a document of the repository."""
+    """Markdown files the pipeline writes into a run directory, or a benchmark into its output folder
+    (`"report.md"` as a string literal in the package or benchmarks/): citing them is citing an
+    output, not a document of the repository."""
     names: set[str] = set()
-    for path in PACKAGE.rglob("*.py"):
+    for path in [*PACKAGE.rglob("*.py"), *(ROOT / "benchmarks").rglob("*.py")]:
         names.update(re.findall(r"[\"']([\w-]+\.md)[\"']", path.read_text()))
     return names
 

@@ -107,17 +107,6 @@ def test_panel_end_to_end_on_the_tiny_model_and_resume(panel, scored, tmp_path, 
         panel.main([*ARGS[:-3], "8", *ARGS[-2:], *REFS, "--out", str(out)])
 
 
-@pytest.fixture(scope="module")
-def kvpress_env():
-    from nectar.kvpress import KvpressEnvError, ensure_env
-
-    try:
-        return ensure_env()
-    except KvpressEnvError as exc:
-        print(f"kvpress environment unavailable: {exc}")
-        pytest.skip(f"kvpress environment unavailable: {exc}")
-
-
 @pytest.mark.slow
 def test_panel_against_kvzip_at_each_precision(panel, kvpress_env, tmp_path):
     rows = panel.main([*ARGS, "--documents", "naming", "--out", str(tmp_path / "panel")])

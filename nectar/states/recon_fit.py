@@ -108,6 +108,13 @@ def _sampled(cap: ReconCapture, seed: int) -> QueryTargets:
     return queries
 
 
+def recon_reads(method) -> frozenset[str]:
+    """What a reconstruction-scored method reads: its READS, less the targets' train queries when
+    neither its ranking nor its fit uses them (recon_fit, recon_mixed)."""
+    uses_train = method.score_queries == "recon+train" or (method.fit_pairs and method.fit_queries == "recon+train")
+    return method.READS if uses_train else method.READS - {"train_queries"}
+
+
 @dataclass(frozen=True)
 class ReconFit(StateMethod):
     """Its real pairs stored at ``FitInputs.bits`` (float32, or int8/int4 codes with β bf16): as many
@@ -132,8 +139,7 @@ class ReconFit(StateMethod):
 
     @property
     def reads(self) -> frozenset[str]:
-        uses_train = self.score_queries == "recon+train" or (self.fit_pairs and self.fit_queries == "recon+train")
-        return self.READS if uses_train else self.READS - {"train_queries"}
+        return recon_reads(self)
 
     @property
     def select(self) -> SelectionConfig:

@@ -43,7 +43,7 @@ from ..modules.provider import group_queries
 from ..quantization import QUANT_BITS, fake_quantize
 from ..schemas.config import SelectionConfig
 from .interface import FitInputs, FittedState, StateMethod
-from .recon_fit import anchors, fit_queries, ranking
+from .recon_fit import anchors, fit_queries, ranking, recon_reads
 from .reconstruction import build_selected, selection_plan
 
 PRECISIONS = (*QUANT_BITS, 32)  # what a head's pairs may be stored at (32: float32)
@@ -211,8 +211,7 @@ class ReconMixed(StateMethod):
 
     @property
     def reads(self) -> frozenset[str]:
-        uses_train = self.score_queries == "recon+train" or (self.fit_pairs and self.fit_queries == "recon+train")
-        return self.READS if uses_train else self.READS - {"train_queries"}
+        return recon_reads(self)
 
     @property
     def select(self) -> SelectionConfig:

@@ -162,17 +162,6 @@ def test_bad_inputs_are_one_line_errors(tiny_run, tmp_path):
     assert [(j.key, j.rho) for j in jobs if not j.key.startswith("run:")] == [("none", None), ("full", None)]
 
 
-@pytest.fixture(scope="module")
-def kvpress_env():
-    from nectar.kvpress import KvpressEnvError, ensure_env
-
-    try:
-        return ensure_env()
-    except KvpressEnvError as exc:
-        print(f"kvpress environment unavailable: {exc}")
-        pytest.skip(f"kvpress environment unavailable: {exc}")
-
-
 @pytest.mark.slow
 def test_compare_scores_kvpress_presses_on_the_same_pairs(tiny_run, kvpress_env):
     res = comparison.compare(tiny_run, ["none", "full", "truncate", "kvpress:kvzip", "kvpress:streaming_llm"],
