@@ -13,7 +13,6 @@ Then a(q) = LSE(s·Wq + β) matches α and A(q) = softmax(s·Wq + β)ᵀ Z match
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 from scipy.linalg import solve_triangular
 from scipy.optimize import nnls
