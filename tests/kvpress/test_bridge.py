@@ -118,7 +118,11 @@ def test_the_worker_loads_the_folder_with_the_runs_rope(tiny_llama, tiny_llama_y
     from nectar.kvpress.bridge import request
     from nectar.kvpress.worker import model_config
 
-    tiny_llama.model.save_pretrained(tmp_path / "plain")  # the folder as the embedded model's is: no scaling
+    import copy
+
+    # the folder as the embedded model's is: no scaling (a copy: save_pretrained changes the shared
+    # session model's state, which tests/test_weights_hash.py then sees)
+    copy.deepcopy(tiny_llama.model).save_pretrained(tmp_path / "plain")
     req, _ = request(tiny_llama_yarn, tmp_path / "plain", [1, 2, 3], [], [], None)
     assert req["rope_parameters"]["rope_type"] == "yarn" and req["max_position_embeddings"] == 8192
     loaded = AutoModelForCausalLM.from_config(model_config(req)).model.rotary_emb
