@@ -24,15 +24,37 @@ from ..attention.doc_kv import DocKV
 from ..attention.engine import generate
 from ..attention.exact import ExactDocState
 from ..attention.forward import query_logits
+from ..attention.state import AttnState
 from ..base_model import BaseLM
 from .bootstrap import Estimate, PairedBootstrap
 from ..layout import PromptLayout
+from ..vllm.format import has_bias
 from ..vllm.state import check_state, rope_inv_freq, shift_keys
 
 
-def torch_provider(state_path: str, base: BaseLM) -> tuple[ExactDocState, int]:
-    """The state file as the torch engine's exact KV provider (keys rotated back to the document's
-    positions) and the document length n the engine places the query after."""
+class BiasedKVState:
+    """Provider: attention over (keys, values) with a per-pair log-mass β [hkv, m] added to the scores —
+    the quadrature module's own form (``nectar.modules.quadrature``), read back from a state file."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], betas: list[torch.Tensor]):
+        self.keys, self.values, self.betas = keys, values, betas
+
+    def __call__(self, layer: int, q: torch.Tensor, scaling: float) -> AttnState:
+        k, v, beta = self.keys[layer].float(), self.values[layer].float(), self.betas[layer].float()  # [hkv, m, ·]
+        b, hq, t, d = q.shape
+        hkv = k.shape[0]
+        g = hq // hkv
+        qg = q.float().reshape(b, hkv, g, t, d).permute(1, 0, 2, 3, 4).reshape(hkv, b * g * t, d)
+        logits = torch.bmm(qg, k.transpose(1, 2)) * scaling + beta.unsqueeze(1)  # [hkv, N, m]
+        lse = torch.logsumexp(logits, -1)  # [hkv, N]
+        out = torch.bmm(torch.softmax(logits, -1), v)  # [hkv, N, d]
+        out = out.reshape(hkv, b, g, t, d).permute(1, 0, 2, 3, 4).reshape(b, hq, t, d)
+        return AttnState(out, lse.reshape(hkv, b, g, t).permute(1, 0, 2, 3).reshape(b, hq, t))
+
+
+def torch_provider(state_path: str, base: BaseLM, drop_bias: bool = False) -> tuple[ExactDocState | BiasedKVState, int]:
+    """The state file as the torch engine's provider (keys rotated back to the document's positions; β
+    added when the file has it, unless ``drop_bias``) and the document length n the query follows."""
     from safetensors.torch import load_file
 
     meta = check_state(state_path, base.weights_hash)
@@ -41,6 +63,11 @@ def torch_provider(state_path: str, base: BaseLM) -> tuple[ExactDocState, int]:
     inv = rope_inv_freq(base)
     keys = [shift_keys(t[f"k.{i}"], inv, n - m).to(base.device, base.dtype) for i in range(layers)]  # [hkv, m, d]
     values = [t[f"v.{i}"].to(base.device, base.dtype) for i in range(layers)]
+    if has_bias(meta):
+        betas = [t[f"b.{i}"].to(base.device) for i in range(layers)]  # [hkv, m]
+        if drop_bias:  # β = 0 on the real pairs; the −inf pads stay pads
+            betas = [torch.where(torch.isfinite(b), torch.zeros_like(b), b) for b in betas]
+        return BiasedKVState(keys, values, betas), n
     return ExactDocState(DocKV(keys, values), backend="torch"), n
 
 

@@ -393,15 +393,16 @@ def serve_cmd(
                                                     "(default <doc-id>/<run-id>; --engine vllm: one id for all)."),
     engine: str = typer.Option("torch", help="The serving engine, by name (nectar/serving/engines: ENGINES). "
                                "torch: this project's decode engine (every module type); vllm: vLLM's engine "
-                               "with each document's plain-KV state (docs/deployment.md §14)."),
+                               "with each document's state, β included, through NECTAR's attention backend plugin "
+                               "(docs/deployment.md §14–15)."),
     dtype: str = typer.Option("bfloat16", help="--engine vllm: vLLM's dtype (float32 reproduces the torch "
                               "engine most closely)."),
     max_model_len: int = typer.Option(4096, help="--engine vllm: vLLM's window (m pseudo-tokens + query + answer)."),
     kv_cache_gib: int = typer.Option(2, help="--engine vllm: VLLM_CPU_KVCACHE_SPACE (GiB) on CPU."),
     enforce_eager: bool = typer.Option(False, help="--engine vllm: skip torch.compile (faster start, slower decode)."),
-    state: Optional[str] = typer.Option(None, help="--engine vllm: which state: trained, or a plain-KV baseline "
-                                        "(attention_matching_kv, truncate); default: trained if plain KV, else "
-                                        "attention_matching_kv."),
+    state: Optional[str] = typer.Option(None, help="--engine vllm: which state: trained (default: the run's own "
+                                        "state, β and all), or the β-free refit attention_matching_kv[@int4] for a "
+                                        "vLLM without the NECTAR plugin."),
 ) -> None:
     """Serve runs' modules over one base model behind an OpenAI-compatible API (/v1/chat/completions,
     /v1/completions with --engine vllm, /v1/models, /metrics, /health)."""

@@ -10,6 +10,12 @@ cached" (``get_num_new_matched_tokens``), vLLM allocates their blocks, and the w
 state's keys/values into those slots of every layer (``start_load_kv``) before the forward that reads
 them. Keys are stored already rotated for queries at positions m + t (``nectar.vllm.state``).
 
+A state with β (the product's default: per-pair log-mass, ragged per-head budgets padded with
+β = −inf) needs the NECTAR attention backend (``nectar.vllm.backend``, registered by the plugin when
+the server runs with NECTAR_VLLM_ATTENTION=biased): its layers keep a β per cache slot, and the
+connector writes each pseudo-token's β with its key and value (``write_state_slots``). A biased state
+on a server without that backend is refused at start, naming the file.
+
 The document is named by the request's ``cache_salt`` (vLLM's own field, which also salts the prefix
 cache, so two documents never share blocks); with a single state the salt may be left out. Full
 blocks of placeholders then live in vLLM's prefix cache like any prompt, so a document's state is
@@ -31,7 +37,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 
-from .format import read_state_meta
+from .format import has_bias, read_state_meta
+from .plugin import ENV as BACKEND_ENV, BIASED, backend_registered
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -41,7 +48,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")  # under "vllm": its handler prints it
 
 _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 
@@ -76,8 +83,9 @@ class NectarStateConnector(KVConnectorBase_V1):
         self._m = {doc: int(meta["m"]) for doc, meta in self._meta.items()}
         self._pending: dict[str, tuple[str, int]] = {}  # req id → (doc, first token to load)
         self._need_load: dict[str, tuple["Request", str, int]] = {}
-        self._kv: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        self._kv: dict[str, tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor] | None]] = {}
         if role == KVConnectorRole.WORKER:
+            _check_backend(self._meta, paths)
             self._kv = {doc: _read_kv(p) for doc, p in paths.items()}
         logger.info("nectar: serving %d document state(s): %s", len(paths),
                     {d: self._m[d] for d in paths})
@@ -147,13 +155,18 @@ class NectarStateConnector(KVConnectorBase_V1):
                 continue
             index = int(_LAYER_INDEX.search(name).group(1))
             for load in meta.loads:
-                keys, values = self._kv[load.doc]
+                keys, values, betas = self._kv[load.doc]
                 k = keys[index][:, load.start:load.stop].transpose(0, 1)  # [count, hkv, d]
                 v = values[index][:, load.start:load.stop].transpose(0, 1)
+                k = k.to(kv_cache.device, kv_cache.dtype).contiguous()
+                v = v.to(kv_cache.device, kv_cache.dtype).contiguous()
                 slots = torch.tensor(load.slots, dtype=torch.int64, device=kv_cache.device)
-                # The backend's own writer: the CPU kernels keep keys in an ISA-specific block layout.
-                layer.impl.do_kv_cache_update(layer, k.to(kv_cache.device, kv_cache.dtype).contiguous(),
-                                              v.to(kv_cache.device, kv_cache.dtype).contiguous(), kv_cache, slots)
+                if betas is not None:  # the NECTAR backend (checked at start): keys, values and β
+                    b = betas[index][:, load.start:load.stop].transpose(0, 1).contiguous()  # [count, hkv]
+                    layer.impl.write_state_slots(kv_cache, k, v, b.to(kv_cache.device), slots)
+                else:
+                    # The backend's own writer: the CPU kernels keep keys in an ISA-specific block layout.
+                    layer.impl.do_kv_cache_update(layer, k, v, kv_cache, slots)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -176,11 +189,21 @@ def _check_model(vllm_config: "VllmConfig", metas: dict[str, dict[str, str]], pa
                              f"{want}, the served model {mc.model!r} has {have}; serve it with its own base model")
 
 
-def _read_kv(path: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _check_backend(metas: dict[str, dict[str, str]], paths: dict[str, str]) -> None:
+    """Refuse a state with β on a server whose attention cannot add it (one line, naming the file)."""
+    for doc, meta in metas.items():
+        if has_bias(meta) and not backend_registered():
+            raise ValueError(f"{paths[doc]}: the state carries β (log-mass per pair), which vLLM's own attention "
+                             f"cannot add; start the server with {BACKEND_ENV}={BIASED} and the nectar-vllm-plugin "
+                             "installed (`nectar serve --engine vllm` does both), or export the β-free refit")
+
+
+def _read_kv(path: str) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor] | None]:
     meta = read_state_meta(path)
     layers = int(meta["num_layers"])
     with safe_open(path, "pt") as f:
         keys = [f.get_tensor(f"k.{i}") for i in range(layers)]  # [hkv, m, d]
         values = [f.get_tensor(f"v.{i}") for i in range(layers)]
-    return keys, values
+        betas = [f.get_tensor(f"b.{i}") for i in range(layers)] if has_bias(meta) else None  # [hkv, m]
+    return keys, values, betas
 

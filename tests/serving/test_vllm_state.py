@@ -15,7 +15,8 @@ from nectar.comparison.systems import SYSTEMS
 from nectar.schemas import load_config
 from nectar.schemas.config import ModuleConfig
 from nectar.serving.engines.vllm_export import refit_system, system_bits
-from nectar.vllm.state import NotPlainKV, check_state, plain_kv_pairs, rope_inv_freq, shift_keys, write_state
+from nectar.vllm.state import (NotPlainKV, check_state, plain_kv_pairs, rope_inv_freq, shift_keys, state_triples,
+                               write_state)
 
 
 def _rotated(model, x: torch.Tensor, positions: list[int]) -> torch.Tensor:
@@ -117,3 +118,49 @@ def test_a_state_of_another_base_model_is_refused(tmp_path):
     with pytest.raises(NotPlainKV, match="another document"):
         check_state(path, "a" * 64, "e" * 64)
     assert torch.equal(rope_inv_freq(base), next(m.inv_freq for m in model.modules() if hasattr(m, "inv_freq")).float())
+
+
+def test_the_default_module_exports_with_its_beta_and_ragged_heads_and_reads_back_as_itself(tiny_llama, tmp_path):
+    """The ``cpu`` default (β, ragged per-head budgets, int4) → the v2 state file → the provider the vLLM
+    equivalence check uses: the same attention as the module itself, at the document's positions."""
+    from nectar.evaluation.vllm_equivalence import BiasedKVState, torch_provider
+    from nectar.modules.provider import ModuleDocState
+
+    base = tiny_llama
+    cfg = load_config("cpu").train.module
+    n = 600
+    plan = plan_from_config(cfg, num_layers=base.num_layers, num_kv_heads=base.num_kv_heads, head_dim=base.head_dim,
+                            n_context=n, scaling=base.scaling)
+    module = build_module(plan)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for layer in module.layers:
+            layer.W.normal_(generator=g)
+            layer.Z.normal_(generator=g)
+            layer.beta.copy_(torch.randn(layer.beta.shape, generator=g))
+            layer.beta[0, -3:] = float("-inf")  # head 0 keeps 3 pairs fewer: ragged, as recon_fit's selection pads
+    assert len({layer.W.shape[1] for layer in module.layers}) > 1  # per-layer budgets differ too
+    keys, values, betas = state_triples(module)
+    assert len({k.shape[1] for k in keys}) == 1  # one m for every layer
+    path = str(tmp_path / "state.v2.safetensors")
+    write_state(path, keys, values, base, n, "d" * 64, "trained", betas)
+    provider, n_read = torch_provider(path, base)
+    assert isinstance(provider, BiasedKVState) and n_read == n
+    q = torch.randn(2, base.num_q_heads, 3, base.head_dim, generator=g)
+    for layer in range(base.num_layers):
+        got = provider(layer, q, base.scaling)
+        want = ModuleDocState(module)(layer, q, base.scaling)
+        torch.testing.assert_close(got.out, want.out, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got.lse, want.lse, rtol=1e-4, atol=1e-4)
+    dropped, _ = torch_provider(path, base, drop_bias=True)
+    assert (dropped(0, q, base.scaling).out - ModuleDocState(module)(0, q, base.scaling).out).abs().max() > 1e-2
+
+
+def test_a_truncated_state_file_is_refused_in_one_line_naming_it(tmp_path):
+    from nectar.vllm.format import read_state_meta
+
+    path = tmp_path / "state.v2.safetensors"
+    path.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{\"__metadata")
+    with pytest.raises(ValueError, match=f"{path}: not a readable state file") as exc:
+        read_state_meta(str(path))
+    assert "\n" not in str(exc.value)

@@ -1,4 +1,4 @@
-"""``nectar serve RUN_DIR… --engine vllm``: export each run's plain-KV state and serve it through vLLM.
+"""``nectar serve RUN_DIR… --engine vllm``: export each run's state and serve it through vLLM.
 
 One vLLM server for the runs' shared base model; each run's document is a state the NECTAR KV
 connector writes into its requests' first m cache slots (``nectar.vllm.connector``). Every
@@ -19,7 +19,7 @@ from ...orchestration.context import open_run
 from ...vllm.serve import ServedDocument, chat_template, placeholder_token, state_server_spec
 from ...vllm.server import ServerSpec, VLLMServer
 from ...vllm.state import ExportedState, NotPlainKV, check_state, verify_state
-from ...vllm.venv import VLLMError, interpreter
+from ...vllm.venv import VLLMError, ensure_plugin, interpreter
 from .interface import EngineError, EngineUsageError, Log, ServeOptions
 from .vllm_export import export_run_state
 
@@ -33,7 +33,7 @@ class VLLMOptions:
     kv_cache_gib: int = 2
     enforce_eager: bool = False
     served_name: str | None = None
-    source: str | None = None  # None: the trained module if plain KV, else attention_matching_kv
+    source: str | None = None  # None: the trained module (β: NECTAR backend); attention_matching_kv@intN: the refit
     max_logprobs: int = 20
     max_num_seqs: int | None = None  # vLLM's running batch (``nectar serve --max-batch``)
     api_keys: tuple[str, ...] = ()  # at most one (VLLM_API_KEY)
@@ -62,7 +62,8 @@ def prepare(run_dirs: list[str], opts: VLLMOptions, log=print) -> tuple[ServerSp
     states = [(d, export_run_state(d, opts.source, log)) for d in run_dirs]
     for run_dir, st in states:
         verify_state(st.path)
-        log(f"{run_dir}: state {st.source!r}, m={st.m} pseudo-tokens per layer for the document's n={st.n} tokens")
+        log(f"{run_dir}: state {st.source!r}{' with β (NECTAR attention backend)' if st.bias else ' (plain KV)'}, "
+            f"m={st.m} pseudo-tokens per layer for the document's n={st.n} tokens")
     check_same_base(states)
     ctx = open_run(run_dirs[0])
     from transformers import AutoTokenizer
@@ -70,7 +71,7 @@ def prepare(run_dirs: list[str], opts: VLLMOptions, log=print) -> tuple[ServerSp
     path = model_path(states[0][1].base_model)
     tok = AutoTokenizer.from_pretrained(path)
     pid, ptext = placeholder_token(tok)
-    docs = [ServedDocument(st.doc_id, st.path, st.m) for _, st in states]
+    docs = [ServedDocument(st.doc_id, st.path, st.m, st.bias) for _, st in states]
     if len({d.doc_id for d in docs}) != len(docs):
         raise NotPlainKV("two runs of the same document: serve one run per document")
     out_dir = os.path.dirname(states[0][1].path)
@@ -92,8 +93,10 @@ def serve_vllm(run_dirs: list[str], opts: VLLMOptions, log=print) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):  # before vLLM starts: a signal never orphans it
         signal.signal(sig, lambda *_: stop.set())
     # `nectar llm setup` builds the venv: serving never starts a 3.4 GB build unasked
-    server = VLLMServer(spec, log_path, python=opts.python or interpreter(build=False),
-                        startup_timeout_s=opts.startup_timeout_s)
+    python = opts.python or interpreter(build=False)
+    if any(d.bias for d in docs):
+        ensure_plugin(python)  # the entry point that loads the NECTAR attention backend in vLLM's processes
+    server = VLLMServer(spec, log_path, python=python, startup_timeout_s=opts.startup_timeout_s)
     try:
         log(f"starting vLLM (its own process group; log {log_path}) …")
         server.start()
@@ -110,7 +113,7 @@ def serve_vllm(run_dirs: list[str], opts: VLLMOptions, log=print) -> None:
 
 class VLLMEngine:
     name = "vllm"
-    help = "vLLM's engine with each document's plain-KV state (docs/deployment.md §14)"
+    help = "vLLM's engine with each document's state, β included (docs/deployment.md §14–15)"
 
     def serve(self, run_dirs: list[str], opts: ServeOptions, log: Log) -> None:
         from ..runner import Unauthenticated, api_keys, check_exposure

