@@ -230,7 +230,7 @@ def run_document(doc: PanelDocument, text: str, rhos: list[float], args, out: Pa
     for s in states + [r for r in refs if r.kind != "kvpress"]:
         for rho in rhos:
             st = fit_part(part, s, rho, base, str(cache / "states"))
-            entries.append(Entry(f"{s.name}@{rho:g}", "baseline", rho, st.provider, st.nbytes, st.seconds,
+            entries.append(Entry(f"{s.name}@{rho:g}", s.kind, rho, st.provider, st.nbytes, st.seconds,
                                  f"fit_part({s.name!r}) on the document alone", st.arch))
     timings["fit_s"] = time.perf_counter() - t1
     live = live_entry(ctx, base) if doc.name in runs else None

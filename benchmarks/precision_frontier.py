@@ -48,7 +48,7 @@ def main() -> None:
         jobs.append(Job(SYSTEMS["matching"], ctx.config.train.module.rho, ctx.config, ctx))
     if args.systems:
         chosen = resolve([s for s in args.systems.split(",") if s])
-        jobs += [Job(system, rho) for system in chosen if system.kind in ("baseline", "kvpress")
+        jobs += [Job(system, rho) for system in chosen if system.kind in ("method", "kvpress")
                  for rho in parse_bytes(args.bytes, ctx.config.model.dtype)]
     for name in [b for b in args.baselines.split(",") if b and not args.systems]:
         budgets = args.am_bytes if name == "attention_matching" else args.bytes

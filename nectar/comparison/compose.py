@@ -288,14 +288,14 @@ def composed_entries(parts: list[Part], s: System, rho: float, positions: list[s
             provider, _ = compose([st.provider for st in states], lengths, pos, base.model, at=n,
                                   prefix=prefix if once else None)
             layout = f"{pos}+once" if once else pos
-            out.append(Entry(f"compose[{layout}]:{s.name}@{rho:g}", "baseline", rho, provider, total, secs,
+            out.append(Entry(f"compose[{layout}]:{s.name}@{rho:g}", s.kind, rho, provider, total, secs,
                              f"{len(parts)} states composed, positions {pos}"
                              + (", template prefix held once (its exact KV from the model, not stored)" if once else ""),
                              states[0].arch, s.name, layout))
     for i, (part, st) in enumerate(zip(parts, states_for("concat"))):
         only = [st.provider if j == i else None for j in range(len(parts))]
         provider, _ = compose(only, lengths, "concat", base.model, at=n)
-        out.append(Entry(f"alone:{part.label}:{s.name}@{rho:g}", "baseline", rho, provider, st.nbytes, st.seconds,
+        out.append(Entry(f"alone:{part.label}:{s.name}@{rho:g}", s.kind, rho, provider, st.nbytes, st.seconds,
                          f"{part.label}'s state alone, at its concat offset", st.arch, s.name, "alone"))
     return out
 
@@ -371,7 +371,7 @@ def with_gaps(names: list[str]) -> list[System]:
         if s.kind == "kvpress" or s.name in plain:
             chosen.append(s)
         if s.name in gapped:
-            if s.kind != "baseline" or s.method != "recon_fit" or not s.options.get("fit", True):
+            if s.kind != "method" or s.method != "recon_fit" or not s.options.get("fit", True):
                 raise ConfigError(f"system {s.name}{GAPS}: only a fitted recon_fit system (recon_fit@int4, …) "
                                   "refits its β and values at a composition's gaps; drop the suffix")
             chosen.append(dataclasses.replace(s, name=s.name + GAPS, default=False,
@@ -434,8 +434,8 @@ def compare_composed(run_dirs: list[str], out_dir: str, systems: list[str] | Non
     common = shared_prefix([p.layout.context_ids for p in parts])
     prefix = ExactDocState(prefill_document(base, common)) if prefix_once and common else None
     for s in chosen:
-        if s.kind in ("baseline", "trained"):
-            for rho in (rhos if s.kind == "baseline" else [None]):
+        if s.kind in ("method", "trained"):
+            for rho in (rhos if s.kind == "method" else [None]):
                 entries += composed_entries(parts, s, rho, positions, base, layout.n, log,
                                             f"{out_dir.rstrip('/')}/states", prefix)
     timings["fit_s"] = time.perf_counter() - t0

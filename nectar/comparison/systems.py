@@ -6,10 +6,12 @@
              nectar/schemas/presets.py (REGIMES, sized per preset by PRESET_REGIMES) plus optional
              further settings — at each budget ρ, in a variant run directory that shares the run's
              data stages (comparison/sweep.py).
-  baseline   a state method of nectar/states (``System.method``: the registry's name; ``options``: its
+  method     a state method of nectar/states (``System.method``: the registry's name; ``options``: its
              settings) fitted at compare time on the document KV and, as the method reads them, the
-             captured targets or the document — the product's own ``recon_fit`` among them — sized
-             to the bytes of the module plan at the same ρ.
+             captured targets or the document — the outside baselines (truncate, evict,
+             attention_matching) and the product's own (``recon_fit``, ``recon_first@int4``, …) alike —
+             sized to the bytes of the module plan at the same ρ. (Called ``baseline`` before; that
+             name is still read as ``method``, and old comparison tables keep it.)
   run        the run's own states (the first state from the document alone, the refined one of the
              train stage), as the pipeline made them, at the run's ρ: always compared when the run has
              them, never named (``run_states``)
@@ -38,7 +40,7 @@ from ..states.kvpress_press import PREFIX as KVPRESS_PREFIX
 from ..states import StateMethod, get_method
 from ..states.kvpress_press import KvpressPress, PressNameError
 
-Kind = Literal["reference", "trained", "baseline", "kvpress", "run"]
+Kind = Literal["reference", "trained", "method", "kvpress", "run"]  # "baseline": read as "method"
 
 
 @dataclass(frozen=True)
@@ -48,20 +50,22 @@ class System:
     description: str
     regime: str | None = None  # trained: the REGIMES overlay
     overlay: dict[str, Any] = field(default_factory=dict)  # trained: further settings on top of the regime
-    method: str | None = None  # baseline: its state method's name in nectar/states/registry.py
+    method: str | None = None  # method: its state method's name in nectar/states/registry.py
     press: str | None = None  # kvpress: the press (nectar/kvpress/worker.py PRESSES)
-    bits: int = 32  # baseline / kvpress: storage precision of its kept entries (trained: train.module.bits in overlay)
-    options: dict[str, Any] = field(default_factory=dict)  # baseline: its method's settings (recon_fit: select's)
+    bits: int = 32  # method / kvpress: storage precision of its kept entries (trained: train.module.bits in overlay)
+    options: dict[str, Any] = field(default_factory=dict)  # method: its method's settings (recon_fit: select's)
     default: bool = True  # in a compare without --systems (opt-in: ablations, systems that train extra variants)
     refines: str | None = None  # trained: the closed-form system it starts from (compare: paired Δ to it)
 
     def __post_init__(self) -> None:
+        if self.kind == "baseline":  # the old name of "method" (a System registered by code written before)
+            object.__setattr__(self, "kind", "method")
         if self.kind == "trained" and self.regime is None and not self.overlay:
             raise ValueError(f"trained system {self.name!r} needs a regime or an overlay")
         if self.kind == "kvpress" and not self.press:
             raise ValueError(f"kvpress system {self.name!r} needs a press")
-        if self.kind == "baseline" and not self.method:
-            raise ValueError(f"baseline system {self.name!r} needs the name of its fit")
+        if self.kind == "method" and not self.method:
+            raise ValueError(f"method system {self.name!r} needs the name of its state method")
         if self.refines is not None and self.kind != "trained":
             raise ValueError(f"system {self.name!r}: only a trained system refines another")
         if self.regime is not None and self.regime not in REGIMES:
@@ -92,34 +96,34 @@ for _s in (
            "(regime recon_fit: reconstruction-selected keys, quantization-aware fit, int4, no gradient steps)",
            regime="recon_fit",
            default=False),
-    System("truncate", "baseline", "exact KV of a ρ·n-token part of the document", method="truncate"),
-    System("evict", "baseline", "exact KV of the ρ·n most-attended tokens per KV head", method="evict"),
-    System("attention_matching", "baseline", "the evicted keys with fitted log-mass biases and "
+    System("truncate", "method", "exact KV of a ρ·n-token part of the document", method="truncate"),
+    System("evict", "method", "exact KV of the ρ·n most-attended tokens per KV head", method="evict"),
+    System("attention_matching", "method", "the evicted keys with fitted log-mass biases and "
            "least-squares values (Zweiger et al., 2026)", method="attention_matching"),
-    System("attention_matching_kv", "baseline", "attention_matching without the bias (β = 0) and the same "
+    System("attention_matching_kv", "method", "attention_matching without the bias (β = 0) and the same "
            "number of keys in every layer: plain KV, what vLLM serves", method="attention_matching_kv"),
     # recon_fit (nectar/states/recon_fit.py; KVzip's context reconstruction selects the keys) and its
     # ablations: each differs from recon_select / recon_fit in one SelectionConfig switch.
-    System("recon_select", "baseline", "exact KV of the keys reconstruction attends to most (max over spans), "
+    System("recon_select", "method", "exact KV of the keys reconstruction attends to most (max over spans), "
            "one budget across layers and KV heads, 4 sink tokens (KVzip's selection)", method="recon_fit",
            options={"fit": False}),
-    System("recon_select_layer", "baseline", "recon_select with the plan's budget per layer",
+    System("recon_select_layer", "method", "recon_select with the plan's budget per layer",
            method="recon_fit", options={"fit": False, "budget": "layer"}, default=False),
-    System("recon_select_mean", "baseline", "recon_select scoring keys by mean instead of max",
+    System("recon_select_mean", "method", "recon_select scoring keys by mean instead of max",
            method="recon_fit", options={"fit": False, "aggregate": "mean"}, default=False),
-    System("recon_fit", "baseline", "recon_select's keys with fitted log-mass biases and least-squares values "
+    System("recon_fit", "method", "recon_select's keys with fitted log-mass biases and least-squares values "
            "on reconstruction + train queries", method="recon_fit", options={"fit": True}),
-    System("recon_fit_layer", "baseline", "recon_fit with the plan's budget per layer",
+    System("recon_fit_layer", "method", "recon_fit with the plan's budget per layer",
            method="recon_fit", options={"fit": True, "budget": "layer"}, default=False),
-    System("recon_fit_recon", "baseline", "recon_fit on reconstruction queries only",
+    System("recon_fit_recon", "method", "recon_fit on reconstruction queries only",
            method="recon_fit", options={"fit": True, "fit_queries": "recon"}, default=False),
-    System("recon_fit_nosink", "baseline", "recon_fit without sink tokens",
+    System("recon_fit_nosink", "method", "recon_fit without sink tokens",
            method="recon_fit", options={"fit": True, "sink_tokens": 0}, default=False),
-    System("recon_fit_template", "baseline", "recon_fit keeping every chat-template token exact",
+    System("recon_fit_template", "method", "recon_fit keeping every chat-template token exact",
            method="recon_fit", options={"fit": True, "template_tokens": True}, default=False),
     # the selection lever for the QA pairs: keys ranked by the max of the reconstruction and the train
     # queries' scores (each normalised at the budget's cut), fitted on both
-    System("recon_fit_qa", "baseline", "recon_fit ranking keys by reconstruction AND train queries (max of the "
+    System("recon_fit_qa", "method", "recon_fit ranking keys by reconstruction AND train queries (max of the "
            "two scores, each divided by its value at the budget's cut)", method="recon_fit",
            options={"fit": True, "score_queries": "recon+train"}, default=False),
     # recon_fit's state refined through the train stage (init "recon_fit"): by the regression loss on the
@@ -144,7 +148,7 @@ for _s in (
 # follows the byte budget: ρ stays a share of the float32 KV's bytes, the codes are 4–7× smaller.
 for _bits in (8, 4):
     for _name in ("truncate", "evict", "attention_matching"):
-        register(System(f"{_name}@int{_bits}", "baseline", f"{SYSTEMS[_name].description}, stored at int{_bits} "
+        register(System(f"{_name}@int{_bits}", "method", f"{SYSTEMS[_name].description}, stored at int{_bits} "
                         "(fp16 scale and zero per 64 values), as many entries as the bytes buy",
                         method=_name, bits=_bits))
     register(System(f"matching@int{_bits}", "trained", f"matching with as many pairs as int{_bits} storage buys "
@@ -162,14 +166,14 @@ for _bits in (8, 4):
         _desc = SYSTEMS["recon_fit" if _name == "recon_fit_float" else _name].description
         if _name == "recon_fit_float":
             _desc += " (fitted in float, then rounded)"
-        register(System(f"{_name}@int{_bits}", "baseline", f"{_desc}, stored at int{_bits} (fp16 scale and zero "
+        register(System(f"{_name}@int{_bits}", "method", f"{_desc}, stored at int{_bits} (fp16 scale and zero "
                         "per 64 values, β bf16), as many pairs as the bytes buy", method="recon_fit", bits=_bits,
                         options=_opts, default=_default))
 
 
 # The first state's algorithm (nectar/stages/first.py) at any budget: keys ranked and β, values fitted on the
 # reconstruction queries alone, int4 — from the document alone, so its state s is prefill + fit (opt-in).
-register(System("recon_first@int4", "baseline", "the first stage's state: recon_fit ranked and fitted on the "
+register(System("recon_first@int4", "method", "the first stage's state: recon_fit ranked and fitted on the "
                 "reconstruction queries alone (no question about the document), stored at int4 (fp16 scale and "
                 "zero per 64 values, β bf16)", method="recon_fit", bits=4,
                 options={"fit": True, "fit_queries": "recon", "score_queries": "recon"}, default=False))
@@ -178,7 +182,7 @@ register(System("recon_first@int4", "baseline", "the first stage's state: recon_
 # The bits allocated by rate and distortion (issue 38, nectar/states/recon_mixed.py): recon_first's keys and
 # queries, each (layer, KV head) stored at int2, int4 or int8 as distortion removed per byte decides (opt-in:
 # stored as one module per precision, so scored here but not yet servable from one file).
-register(System("recon_mixed", "baseline", "the first state's selection and fit (reconstruction queries alone), "
+register(System("recon_mixed", "method", "the first state's selection and fit (reconstruction queries alone), "
                 "each (layer, KV head)'s pairs at int2 / int4 / int8 chosen across the state by distortion "
                 "removed per byte, the rest evicted", method="recon_mixed", default=False))
 
@@ -209,7 +213,7 @@ for _name, _desc, _train in (
 # that is not plain KV (nectar/serving/engines/vllm_export.py), as many pairs as the bytes buy (opt-in: the row of
 # that served state; vLLM holds the pairs at its KV dtype).
 for _bits in (8, 4):
-    register(System(f"attention_matching_kv@int{_bits}", "baseline", f"{SYSTEMS['attention_matching_kv'].description}, "
+    register(System(f"attention_matching_kv@int{_bits}", "method", f"{SYSTEMS['attention_matching_kv'].description}, "
                     f"stored at int{_bits} (fp16 scale and zero per 64 values), as many pairs as the bytes buy",
                     method="attention_matching_kv", bits=_bits, default=False))
 
@@ -256,7 +260,7 @@ def resolve(names: list[str] | None) -> list[System]:
     name is read as its new one (nectar/schemas/renamed.py)."""
     if names is None:
         ok = methods_available()
-        return [s for s in SYSTEMS.values() if s.default and (s.kind != "baseline" or ok)]
+        return [s for s in SYSTEMS.values() if s.default and (s.kind != "method" or ok)]
     presses = [s for n in names if n.startswith(KVPRESS_PREFIX) for s in kvpress_systems(n)]
     names = [renamed("system", n) for n in names if not n.startswith(KVPRESS_PREFIX)]
     unknown = [n for n in names if n not in SYSTEMS]
@@ -265,7 +269,7 @@ def resolve(names: list[str] | None) -> list[System]:
                           "kvpress:<press> (kvpress:all for every press)")
     wanted = set(names)
     chosen = [s for s in SYSTEMS.values() if s.name in wanted]
-    missing = [s.name for s in chosen if s.kind == "baseline"]
+    missing = [s.name for s in chosen if s.kind == "method"]
     if missing and not methods_available():
         raise ConfigError(f"system {missing[0]!r} is a closed-form baseline and this checkout has no "
                           "nectar.states; update the code or leave it out of --systems")
@@ -329,6 +333,6 @@ def trained_config(run_config: PipelineConfig, system: System, rho: float) -> Pi
 def system_method(system: System, module: ModuleConfig) -> StateMethod:
     """A baseline system's state method: the registry's, with the run's settings for it
     (``train.module``) and the system's own switches (``options``)."""
-    if system.kind != "baseline":
+    if system.kind != "method":
         raise ValueError(f"system {system.name!r} is not fitted by a state method")
     return get_method(system.method).configured(module).with_options(**system.options)

@@ -38,7 +38,7 @@ def state_seconds(job: Job, o: Obtained, data_s: float | None, prefill_s: float)
         return 0.0
     if s.name == "full":
         return prefill_s
-    if s.kind == "kvpress" or (s.kind == "baseline" and o.reads == frozenset({"doc_kv"})):
+    if s.kind == "kvpress" or (s.kind == "method" and o.reads == frozenset({"doc_kv"})):
         return o.seconds  # from the document alone
     if o.document_only and o.seconds is not None:  # recon_fit on reconstruction alone: prefill, then its fit
         return prefill_s + o.seconds

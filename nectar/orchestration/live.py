@@ -71,6 +71,45 @@ def read_live(run: RunDir) -> LiveState | None:
     return None
 
 
+DECISION = ("promote", "decision.json")
+
+
+def run_relative(run: RunDir, url: str) -> str:
+    """``url`` as a path under the run's root ("state/<sha16>"), so a record stays right when the run
+    directory is moved or copied; a url outside the run is returned as it is."""
+    root = run.root.rstrip("/") + "/"
+    return url[len(root):] if url.startswith(root) else url
+
+
+def in_run(run: RunDir, path: str) -> str:
+    """A folder a record names, as a url of this run: a run-relative path under its root; an absolute
+    one (records written before they were relative) re-rooted at the shortest tail of it that this run
+    holds (``/old/place/run/state/<sha16>`` → ``<run>/state/<sha16>``), else as it is."""
+    if not (path.startswith("/") or "://" in path):
+        return run.url(*path.split("/"))
+    parts = [p for p in path.split("://", 1)[-1].split("/") if p]
+    for k in range(1, len(parts) + 1):
+        if run.exists(*parts[-k:]):
+            return run.url(*parts[-k:])
+    return path
+
+
+def decision_record(run: RunDir, live: str, reason: str, state: LiveState, counts: dict[str, Any]) -> dict[str, Any]:
+    """promote's ``decision.json``: the live stage, why, and its state's folder relative to the run's root."""
+    return {"live": live, "reason": reason, "dir": run_relative(run, state.url), **counts}
+
+
+def read_decision(run: RunDir) -> dict[str, Any] | None:
+    """promote's ``decision.json`` with ``dir`` as a url of this run (relative or old absolute: ``in_run``);
+    None when promote has not decided."""
+    if not run.exists(*DECISION):
+        return None
+    record = json.loads(run.fs.cat_file(run.local_path(*DECISION)))
+    if "dir" in record:
+        record["dir"] = in_run(run, record["dir"])
+    return record
+
+
 def live_stage(run: RunDir) -> str | None:
     state = read_live(run)
     return state.stage if state else None

@@ -346,7 +346,7 @@ def run_promote(ctx: RunContext, force: bool = False) -> StageOutcome:
     refined only when its paired interval says so). ``decision.json`` and the counts say why."""
     from ..modules.io import load_module
     from ..stages.promote import decide
-    from .live import publish
+    from .live import decision_record, publish
 
     inputs = _upstream_outputs(ctx, "promote")
 
@@ -364,7 +364,7 @@ def run_promote(ctx: RunContext, force: bool = False) -> StageOutcome:
                               cfg.first.confidence, progress=ctx.progress("promote"))
             live, reason, counts = decision.live, decision.reason, decision.counts
         state = publish(ctx.run, live, reason, {"decision": counts})
-        write_json(f"{url}/decision.json", {"live": live, "reason": reason, "dir": state.url, **counts})
+        write_json(f"{url}/decision.json", decision_record(ctx.run, live, reason, state, counts))  # dir: run-relative
         return ["decision.json"], {"live": live, "reason": reason, **counts}
 
     return run_stage(ctx.run, "promote", _stage_config(ctx, "promote"), inputs, body, force,

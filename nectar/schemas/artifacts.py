@@ -360,7 +360,11 @@ class ComparisonRow(QualityColumns):
     n_pairs: int
     kl_to_full: float | None
     system: str
-    kind: Literal["reference", "trained", "baseline", "kvpress", "run"]  # run: the run's own first / refined state
+    # reference: none / full; trained: a module trained for the comparison; method: a state method of
+    # nectar/states fitted at compare time (the outside baselines and the product's own recon_fit family);
+    # kvpress: a kvpress press; run: the run's own first / refined state. "baseline": the old name of
+    # "method", in tables written before it was renamed.
+    kind: Literal["reference", "trained", "method", "kvpress", "run", "baseline"]
     regime: str | None = None  # training regime of a trained system (nectar/schemas/presets.py REGIMES)
     arch: str | None = None
     rho: float | None = None  # the budget: share of the document KV bytes (None for none/full)

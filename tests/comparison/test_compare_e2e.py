@@ -136,7 +136,7 @@ def test_cli_compare_through_prefect_with_progress_and_status(tiny_run, tmp_path
                          capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "compare:teacher_forced" in res.stderr and "compare:agreement" in res.stderr  # progress bars
-    assert "| regression | trained |" in res.stdout and "| truncate | baseline |" in res.stdout
+    assert "| regression | trained |" in res.stdout and "| truncate | method |" in res.stdout
     assert res.stdout.strip().endswith("compare/comparison.md")
     status = subprocess.run([*cli, "status", run_dir], capture_output=True, text=True, env=env)
     assert "comparison: " in status.stdout and "5 systems" in status.stdout  # + the run's own state, unnamed
@@ -228,7 +228,7 @@ def test_compare_at_equal_bytes_with_quantized_baselines(tiny_run):
             r = by[(s, rho, "test")]
             assert 0.5 * rho * kv < r.state_bytes <= rho * kv, (s, rho, r.state_bytes)
             assert r.recovered_kl_ci_low <= r.recovered_kl <= r.recovered_kl_ci_high
-    assert "**kv_dtype** float32" in res.markdown and "| evict@int4 | baseline |" in res.markdown
+    assert "**kv_dtype** float32" in res.markdown and "| evict@int4 | method |" in res.markdown
     assert " %) |" in res.markdown  # the bytes column: × smaller and share of the KV
 
 
@@ -250,7 +250,7 @@ def test_compare_recon_rows_carry_the_budget_and_a_layer_head_heat_map(tiny_run)
     for split in ("test", "probes"):
         for s in ("recon_select", "recon_fit"):
             r = by[(s, split)]
-            assert r.kind == "baseline" and r.kl_ci_low - 1e-9 <= r.kl_to_full <= r.kl_ci_high + 1e-9
+            assert r.kind == "method" and r.kl_ci_low - 1e-9 <= r.kl_to_full <= r.kl_ci_high + 1e-9
             # the same budget as per-head eviction (masked slots count nothing), up to its per-head rounding
             assert abs(r.state_bytes - by[("evict", split)].state_bytes) <= one_pair_per_head
             assert r.train_seconds > 0  # time to the state: reconstruction + selection (+ fit)

@@ -21,12 +21,12 @@ def test_registry_holds_the_issue_systems_once_each():
     assert {s.name for s in SYSTEMS.values() if s.kind == "reference"} == {"none", "full"}
     for s in SYSTEMS.values():
         name, _, precision = s.name.partition("@")
-        assert s.bits == (int(precision.removeprefix("int")) if precision and s.kind == "baseline" else 32)
+        assert s.bits == (int(precision.removeprefix("int")) if precision and s.kind == "method" else 32)
         if s.kind == "trained":  # a regime's own system (at a precision), or recon_fit's state refined under one
             module = s.overlay.get("train", {}).get("module", {})
             assert s.regime in (name, "recon_fit") or module["init"] == "recon_fit"
             assert module.get("bits", 32) == (int(precision[3:]) if precision else 32)
-        if s.kind == "baseline":
+        if s.kind == "method":
             assert s.method in METHODS  # a state method of the registry
     # default: every system this checkout can run, but the ablations and the opt-in quantized trained
     # ones (a training each)
@@ -42,8 +42,8 @@ def test_registry_holds_the_issue_systems_once_each():
         System("bare", "trained", "no settings")
     with pytest.raises(ValueError, match="unknown regime"):
         System("typo", "trained", "", regime="regresion")
-    with pytest.raises(ValueError, match="needs the name of its fit"):
-        System("b", "baseline", "")
+    with pytest.raises(ValueError, match="needs the name of its state method"):
+        System("b", "method", "")
 
 
 def test_a_trained_system_is_the_preset_regime_whatever_the_run_used():
@@ -79,8 +79,38 @@ def test_one_entry_adds_a_system_and_its_settings_are_reset_for_the_others():
         del SYSTEMS["wide"]
 
 
+def test_each_row_kind_says_what_the_row_is(monkeypatch):
+    """The kind column: reference (none, full), method (a state method of nectar/states fitted by compare:
+    the outside baselines and the product's own recon_fit family alike), trained, kvpress, run (the
+    run's own states) — never "baseline" for the project's own methods, in a compare of one run or a
+    composed one."""
+    from types import SimpleNamespace
+
+    from nectar.comparison import compose
+    from nectar.comparison.systems import kvpress_systems, run_states
+
+    kinds = {name: s.kind for name, s in SYSTEMS.items()}
+    assert {n for n, k in kinds.items() if k == "reference"} == {"none", "full"}
+    for name in ("truncate", "evict", "attention_matching", "attention_matching_kv@int4", "recon_select",
+                 "recon_fit", "recon_fit@int4", "recon_fit_qa@int4", "recon_first@int4", "recon_mixed"):
+        assert kinds[name] == "method", name
+    assert set(kinds.values()) == {"reference", "trained", "method"}
+    assert [(s.name, s.kind) for s in run_states({"first", "train"})] == [("run:first", "run"),
+                                                                          ("run:refined", "run")]
+    assert {s.kind for s in kvpress_systems("kvpress:knorm:int4")} == {"kvpress"}
+    # a System registered under the old name of the kind (code written before the rename) is a method
+    assert System("keep_last", "baseline", "exact KV of the last tokens", method="keep_last").kind == "method"
+    # the composed compare labels each composed / alone row by its system's kind, not a fixed "baseline"
+    monkeypatch.setattr(compose, "fit_part", lambda part, s, rho, *a, **k: compose.State(object(), 10, 1.0, "quadrature"))
+    monkeypatch.setattr(compose, "compose", lambda states, lengths, pos, model, at, prefix=None: (object(), None))
+    parts = [SimpleNamespace(label=x, layout=SimpleNamespace(n=5)) for x in ("a", "b")]
+    entries = compose.composed_entries(parts, SYSTEMS["recon_fit@int4"], 0.1, ["concat"],
+                                       SimpleNamespace(model=None), 10, lambda m: None)
+    assert [e.kind for e in entries] == ["method"] * 3  # composed under concat, then each document alone
+
+
 def test_comparison_rows_round_trip_and_validate(tmp_path):
-    row = ComparisonRow(system="evict", kind="baseline", rho=0.05, state_bytes=3_500_000, split="probes",
+    row = ComparisonRow(system="evict", kind="method", rho=0.05, state_bytes=3_500_000, split="probes",
                         n_pairs=51, n_tokens=1445, kl_to_full=0.4, kl_ci_low=0.35, kl_ci_high=0.46,
                         recovered_kl=0.17, recovered_kl_ci_low=0.14, recovered_kl_ci_high=0.2, token_acc=0.5,
                         token_acc_ci_low=0.45, token_acc_ci_high=0.55, agreement_rouge_l=0.3, train_seconds=2.5)

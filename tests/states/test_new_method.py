@@ -93,7 +93,7 @@ def tiny_run(tmp_path_factory):
 def keep_last():
     """Registered the way docs/architecture.md says: the method, and a compare system naming it."""
     method = register(KeepLast())
-    system = comparison.register(System("keep_last", "baseline", "exact KV of the last tokens", method="keep_last"))
+    system = comparison.register(System("keep_last", "method", "exact KV of the last tokens", method="keep_last"))
     yield method, system
     unregister(method.name)
     del SYSTEMS[system.name]
@@ -115,10 +115,10 @@ def test_a_method_written_against_the_interface_is_fitted_compared_and_served(ti
                              run_one=lambda c, stage, force: None)
     by = {(r.system, r.split): r for r in res.rows}
     row = by[("keep_last", "test")]
-    assert row.kind == "baseline" and row.state_bytes == fitted.nbytes
+    assert row.kind == "method" and row.state_bytes == fitted.nbytes
     assert 0 < row.kl_to_full < by[("none", "test")].kl_to_full
     assert row.train_seconds is not None and row.train_seconds > 0  # its fit, timed as every method's
-    assert "| keep_last | baseline |" in res.markdown
+    assert "| keep_last | method |" in res.markdown
     # a setting is a dataclass field: half the share keeps (about) half the pairs
     assert get_method("keep_last").with_options(share=0.5).plan(plan).quad_pairs[0] in (p // 2, (p + 1) // 2)
     # served: saved as a module, loaded as the server's loader does, asked a question
