@@ -125,9 +125,17 @@ class Equivalence:
 def equivalence(base: BaseLM, layout: PromptLayout, state_path: str, url: str, model: str,
                 instructions: list[str], placeholder_id: int, doc_id: str | None, new_tokens: int = 32,
                 top_k: int = 1000, seed: int = 0) -> Equivalence:
+    prompts = [layout.prompt(text).ids for text in instructions]
+    return equivalence_ids(base, state_path, url, model, prompts, placeholder_id, doc_id, new_tokens, top_k, seed)
+
+
+@torch.no_grad()
+def equivalence_ids(base: BaseLM, state_path: str, url: str, model: str, prompts: list[list[int]],
+                    placeholder_id: int, doc_id: str | None, new_tokens: int = 32, top_k: int = 1000,
+                    seed: int = 0) -> Equivalence:
+    """``equivalence`` on prompts given as the query-side token ids (what follows the document)."""
     provider, n = torch_provider(state_path, base)
     m = int(check_state(state_path, base.weights_hash)["m"])
-    prompts = [layout.prompt(text).ids for text in instructions]
     with ThreadPoolExecutor(max_workers=16) as pool:  # in flight together: vLLM batches them
         choices = list(pool.map(lambda p: vllm_complete(url, model, [placeholder_id] * m + p, new_tokens, doc_id,
                                                          logprobs=top_k), prompts))
@@ -153,3 +161,92 @@ def equivalence(base: BaseLM, layout: PromptLayout, state_path: str, url: str, m
     return Equivalence(len(prompts), int(sum(counts)), boot.mean(np.array(same)),
                        boot.ratio(np.array(kl_sums), np.array(counts, dtype=float)),
                        float(max(rests)) if rests else float("nan"), first)
+
+
+def vllm_prompt_logprobs(url: str, model: str, prompt: list[int], doc_id: str | None, top_k: int,
+                         timeout_s: float = 600.0) -> list[dict[str, float] | None]:
+    """vLLM's teacher-forced top-k log-probabilities at every prompt position ({token id: logprob}, the
+    prompt's own token always included; None at position 0), from ``prompt_logprobs``."""
+    body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": top_k}
+    if doc_id is not None:
+        body["cache_salt"] = doc_id
+    req = urllib.request.Request(url.rstrip("/") + "/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        got = json.loads(r.read())
+    rows = got["choices"][0].get("prompt_logprobs") or got.get("prompt_logprobs")
+    out: list[dict[str, float] | None] = []
+    for row in rows:
+        out.append(None if row is None else {f"token_id:{int(k)}": float(v["logprob"] if isinstance(v, dict) else v)
+                                             for k, v in row.items()})
+    return out
+
+
+@dataclass
+class ProbeFidelity:
+    pairs: int
+    tokens: int
+    recovered_vllm: Estimate  # 1 − KL(full ‖ vLLM) / KL(full ‖ none), coarse-grained on vLLM's top-k buckets
+    recovered_torch: Estimate  # the same state through the torch engine, the same buckets
+    recovered_torch_exact: Estimate  # the torch engine, full vocabulary (the module's own figure)
+    kl_torch_vllm: Estimate  # KL(torch ‖ vLLM), coarse, nats/token
+
+    def line(self) -> str:
+        pct = lambda e: e.fmt(1, 100.0)  # noqa: E731
+        return (f"{self.pairs} pairs / {self.tokens} tokens: KL recovered through vLLM {pct(self.recovered_vllm)} % vs "
+                f"torch {pct(self.recovered_torch)} % (same top-k buckets; torch, full vocabulary "
+                f"{pct(self.recovered_torch_exact)} %); KL(torch‖vLLM) {self.kl_torch_vllm.fmt(6)} nats/token")
+
+
+def _kl(p_log: torch.Tensor, q_log: torch.Tensor) -> float:
+    return float((p_log.exp() * (p_log - q_log)).sum())
+
+
+def _coarse(logp: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """[V] log-probs → [k + 1]: the k bucket tokens, then the rest of the vocabulary as one."""
+    top = logp[ids]
+    rest = torch.clamp(1.0 - top.exp().sum(), min=1e-300).log()
+    return torch.cat([top, rest.view(1)])
+
+
+@torch.no_grad()
+def probe_fidelity(base: BaseLM, doc_kv: DocKV, state_path: str, url: str, model: str, pairs: list, placeholder_id: int,
+                   doc_id: str | None, top_k: int = 100, seed: int = 0) -> ProbeFidelity:
+    """Teacher-forced quality of the served state on held-out pairs (``EvalPair``: query-side ids, response start)
+    through vLLM's ``prompt_logprobs`` against the same state in the torch engine and the full-context model.
+    vLLM returns only its top k per position, so every KL here is taken over {those k tokens, the rest}: a
+    coarse-graining, the same for every system compared; the torch engine's full-vocabulary figure is beside it."""
+    provider, n = torch_provider(state_path, base)
+    m = int(check_state(state_path, base.weights_hash)["m"])
+    full = ExactDocState(doc_kv, backend="torch")
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        served = list(pool.map(lambda p: vllm_prompt_logprobs(url, model, [placeholder_id] * m + list(p.ids), doc_id,
+                                                               top_k), pairs))
+    sums = {k: [] for k in ("none", "vllm", "torch", "none_exact", "torch_exact", "tv")}
+    counts = []
+    for pair, rows in zip(pairs, served):
+        ids = torch.tensor([list(pair.ids)], device=base.device)
+        lp = {name: torch.log_softmax(query_logits(base, prov, ids, n)[0].double().cpu(), -1)  # [L, V]
+              for name, prov in (("full", full), ("torch", provider), ("none", None))}
+        acc = dict.fromkeys(sums, 0.0)
+        positions = range(pair.response_start, len(pair.ids))
+        for t in positions:  # token t is predicted at position t − 1
+            top = rows[m + t]
+            bucket = torch.tensor([int(k.split(":", 1)[1]) for k in top])
+            lv = torch.tensor(list(top.values()), dtype=torch.float64)
+            v = torch.cat([lv, torch.clamp(1.0 - lv.exp().sum(), min=1e-300).log().view(1)])
+            f, tr, no = (_coarse(lp[k][t - 1], bucket) for k in ("full", "torch", "none"))
+            acc["vllm"] += _kl(f, v)
+            acc["torch"] += _kl(f, tr)
+            acc["none"] += _kl(f, no)
+            acc["tv"] += _kl(tr, v)
+            acc["torch_exact"] += _kl(lp["full"][t - 1], lp["torch"][t - 1])
+            acc["none_exact"] += _kl(lp["full"][t - 1], lp["none"][t - 1])
+        for k in sums:
+            sums[k].append(acc[k])
+        counts.append(len(positions))
+    a = {k: np.array(v) for k, v in sums.items()}
+    boot = PairedBootstrap(len(pairs), seed=seed, key="vllm-probe-fidelity")
+    return ProbeFidelity(len(pairs), int(sum(counts)), boot.recovered(a["vllm"], a["none"]),
+                         boot.recovered(a["torch"], a["none"]), boot.recovered(a["torch_exact"], a["none_exact"]),
+                         boot.ratio(a["tv"], np.array(counts, dtype=float)))

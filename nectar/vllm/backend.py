@@ -2,16 +2,25 @@
 
 Registered by the plugin (``nectar.vllm.plugin``) in place of vLLM's ``CPU_ATTN`` when the server is
 started for biased states. It keeps vLLM's paged cache, metadata builder and scheduler; only the
-per-layer attention changes: ``nectar.vllm.paged_attention`` — one softmax over a request's cache
-slots with a per-slot log-mass β added, which for a request whose first m slots hold a document's
-state is design.md's LSE merge of the state with the request's own causal attention. Each layer keeps
-a β store beside its paged cache (one float per slot and KV head): ordinary token writes set it to 0,
-the KV connector writes a state's β with its keys and values (``write_state_slots``).
+per-layer attention changes (``nectar.vllm.paged_attention``). Each layer keeps a β store beside its
+paged cache (one float per slot and KV head): ordinary token writes set it to 0, the KV connector
+writes a state's β with its keys and values (``write_state_slots``).
+
+The documents' states are also held densely, once per server process (``DOCUMENTS``: per layer trimmed
+to its widest head, so a narrow layer costs only its own pairs), and the connector marks the first cache
+block of every state it writes (``BLOCKS``: block id → document; an ordinary write at a block's first
+slot — the block changed hands — unmarks it). A request whose first block is marked takes the split
+path: its own slots from m on through the paged cache, the state through one GEMM shared by every
+query token on that document in the step, merged by log-sum-exp. Any other request takes the one-pass
+path over all its slots with β added — the same numbers, the state re-read per request.
 
 Decoder self-attention only (the served models are decoder LMs); anything else is refused at build.
 Loaded inside the vLLM server's environment: imports torch and vLLM, never the rest of nectar.
 """
 from __future__ import annotations
+
+import re
+from dataclasses import dataclass
 
 import torch
 
@@ -19,9 +28,36 @@ from vllm.logger import init_logger
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
-from .paged_attention import paged_attention, write_slots
+from .paged_attention import merge, paged_attention, state_attention, write_slots
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm": its handler prints it
+
+_LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class DenseState:
+    m: int  # the document's pseudo-tokens (the request's own tokens start at slot m)
+    layers: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ...]  # per layer: keys, values [hkv, w, d], β [hkv, w]
+
+
+DOCUMENTS: dict[str, DenseState] = {}  # doc id → its state, this process
+BLOCKS: dict[int, str] = {}  # cache block id → the document whose state starts there
+
+
+def register_document(doc: str, m: int, keys: list[torch.Tensor], values: list[torch.Tensor],
+                      betas: list[torch.Tensor]) -> None:
+    """Hold a document's state densely: per layer only up to its last pair that any head keeps (β > −inf)."""
+    layers = []
+    for k, v, b in zip(keys, values, betas):
+        kept = torch.isfinite(b).any(0).nonzero()  # [≤ m, 1] slots some head keeps
+        w = int(kept.max()) + 1 if kept.numel() else 1
+        layers.append((k[:, :w].float().contiguous(), v[:, :w].float().contiguous(), b[:, :w].float().contiguous()))
+    DOCUMENTS[doc] = DenseState(m, tuple(layers))
+
+
+def mark_state_block(block: int, doc: str) -> None:
+    BLOCKS[block] = doc
 
 
 class NectarAttentionImpl(CPUAttentionBackendImpl):
@@ -31,8 +67,9 @@ class NectarAttentionImpl(CPUAttentionBackendImpl):
                 or self.logits_soft_cap or self.sinks is not None or self.is_fp8_kv_cache:
             raise NotImplementedError(
                 "the NECTAR attention backend serves decoder self-attention without ALiBi, sliding window, "
-                "soft cap, sinks or an fp8 KV cache; serve this model without --nectar-attention (β-free refit)")
+                "soft cap, sinks or an fp8 KV cache; serve this model's β-free refit instead")
         self._bias: torch.Tensor | None = None  # [num_blocks · block_size, hkv] the layer's β store
+        self._index: int | None = None  # the layer's index in the model (its state's layer)
 
     def bias_store(self, kv_cache: torch.Tensor) -> torch.Tensor:
         nb, hkv, bs, _ = kv_cache.shape
@@ -42,11 +79,20 @@ class NectarAttentionImpl(CPUAttentionBackendImpl):
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         write_slots(kv_cache, self.bias_store(kv_cache), key, value, slot_mapping)
+        if BLOCKS:
+            bs = kv_cache.shape[2]
+            for block in (slot_mapping[(slot_mapping >= 0) & (slot_mapping % bs == 0)] // bs).tolist():
+                BLOCKS.pop(block, None)  # a new owner's first token: no state starts here any more
 
     def write_state_slots(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                           beta: torch.Tensor, slots: torch.Tensor) -> None:
-        """The connector's write: a document state's key/value [t, hkv, d] and β [t, hkv] into ``slots``."""
+        """The connector's write: a document state's key/value [t, hkv, d] and β [t, hkv] into ``slots``
+        (the connector marks the state's first block after writing every layer)."""
         write_slots(kv_cache, self.bias_store(kv_cache), key, value, slots, beta)
+        if BLOCKS:
+            bs = kv_cache.shape[2]
+            for block in (slots[slots % bs == 0] // bs).tolist():
+                BLOCKS.pop(block, None)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None) -> torch.Tensor:
@@ -54,11 +100,30 @@ class NectarAttentionImpl(CPUAttentionBackendImpl):
             raise NotImplementedError("fused output quantization is not supported by the NECTAR backend")
         if attn_metadata is None:  # profiling / warm-up run
             return output
+        if self._index is None:
+            self._index = int(_LAYER_INDEX.search(layer.layer_name).group(1))
         t = attn_metadata.num_actual_tokens
         hq, d = self.num_heads, self.head_size
+        q = query[:t].reshape(t, hq, d)
         out = output[:t].view(t, hq, d)
-        paged_attention(query[:t].view(t, hq, d), kv_cache, self.bias_store(kv_cache), attn_metadata.query_start_loc,
-                        attn_metadata.seq_lens, attn_metadata.block_table, self.scale, out)
+        bias = self.bias_store(kv_cache)
+        meta = attn_metadata
+        r = meta.seq_lens.shape[0]
+        docs = [BLOCKS.get(b) for b in meta.block_table[:r, 0].tolist()] if BLOCKS else [None] * r
+        if not any(docs):
+            paged_attention(q, kv_cache, bias, meta.query_start_loc, meta.seq_lens, meta.block_table, self.scale, out)
+            return output
+        first = torch.tensor([DOCUMENTS[doc].m if doc else 0 for doc in docs])
+        own = torch.empty(t, hq, d, dtype=torch.float32)
+        lse = paged_attention(q, kv_cache, bias, meta.query_start_loc, meta.seq_lens, meta.block_table, self.scale, own,
+                              key_start=first)
+        starts = meta.query_start_loc.tolist()
+        for doc in set(filter(None, docs)):
+            rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i, dd in enumerate(docs) if dd == doc])
+            k, v, b = DOCUMENTS[doc].layers[self._index]
+            st_out, st_lse = state_attention(q[rows], k, v, b, self.scale)  # [T_doc, H, d], [T_doc, H]
+            own[rows], _ = merge(own[rows], lse[rows], st_out, st_lse)
+        out.copy_(own.to(out.dtype))
         return output
 
 

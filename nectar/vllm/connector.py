@@ -87,6 +87,11 @@ class NectarStateConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.WORKER:
             _check_backend(self._meta, paths)
             self._kv = {doc: _read_kv(p) for doc, p in paths.items()}
+            for doc, (keys, values, betas) in self._kv.items():
+                if betas is not None:  # the backend holds it densely too: one GEMM per step for all its requests
+                    from .backend import register_document
+
+                    register_document(doc, self._m[doc], keys, values, betas)
         logger.info("nectar: serving %d document state(s): %s", len(paths),
                     {d: self._m[d] for d in paths})
 
@@ -167,6 +172,11 @@ class NectarStateConnector(KVConnectorBase_V1):
                 else:
                     # The backend's own writer: the CPU kernels keep keys in an ISA-specific block layout.
                     layer.impl.do_kv_cache_update(layer, k, v, kv_cache, slots)
+        for load in meta.loads:  # every layer written: the block where a state starts names its document
+            if load.start == 0 and self._kv[load.doc][2] is not None:
+                from .backend import mark_state_block
+
+                mark_state_block(load.slots[0] // self._block_size, load.doc)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from nectar.vllm.paged_attention import paged_attention, split_cache, write_slots
+from nectar.vllm.paged_attention import merge, paged_attention, split_cache, state_attention, write_slots
 
 NB, HKV, BS, D, G = 12, 2, 4, 8, 3
 SCALE = D ** -0.5
@@ -62,8 +62,9 @@ def test_the_bias_changes_the_output():
     _fill(kv, bias, [0, 1], 7, gen, beta_slots=5)
     q = torch.randn(1, HKV * G, D, generator=gen)
     args = (torch.tensor([0, 1]), torch.tensor([7]), torch.tensor([[0, 1]]), SCALE)
-    with_beta = paged_attention(q, kv, bias, *args, torch.empty_like(q))
-    without = paged_attention(q, kv, torch.zeros_like(bias), *args, torch.empty_like(q))
+    with_beta, without = torch.empty_like(q), torch.empty_like(q)
+    paged_attention(q, kv, bias, *args, with_beta)
+    paged_attention(q, kv, torch.zeros_like(bias), *args, without)
     assert (with_beta - without).abs().max() > 1e-2
 
 
@@ -86,8 +87,33 @@ def test_two_requests_sharing_the_state_blocks_read_the_same_state():
     write_slots(kv, bias, own[0], own[1], torch.tensor([8 * BS, 8 * BS + 1]))  # request 0's own tokens: block 8
     write_slots(kv, bias, own[2], own[3], torch.tensor([10 * BS, 10 * BS + 1]))  # request 1's: block 10
     q = torch.randn(2, HKV * G, D, generator=gen)
-    out = paged_attention(q, kv, bias, torch.tensor([0, 1, 2]), torch.tensor([10, 10]),
-                          torch.tensor([[4, 6, 8], [4, 6, 10]]), SCALE, torch.empty_like(q))
+    out = torch.empty_like(q)
+    paged_attention(q, kv, bias, torch.tensor([0, 1, 2]), torch.tensor([10, 10]),
+                    torch.tensor([[4, 6, 8], [4, 6, 10]]), SCALE, out)
     for r, (ko, vo) in enumerate([(own[0], own[1]), (own[2], own[3])]):
         want = _dense(q[r:r + 1], torch.cat([k, ko]), torch.cat([v, vo]), torch.cat([b, torch.zeros(2, HKV)]), 10, 1)
         torch.testing.assert_close(out[r:r + 1], want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_split_path_state_gemm_merged_with_own_slots_equals_one_pass():
+    """Requests on one document: the state attended densely (one GEMM for all their query rows) and merged by
+    LSE with their own slots from m on gives the one-pass numbers — decode and prefill rows alike."""
+    gen = torch.Generator().manual_seed(3)
+    kv, bias = _cache()
+    m = 7  # state slots: blocks 4 and 6 (the second one partly)
+    k, v, b = _fill(kv, bias, [4, 6], m, gen, beta_slots=m)
+    tables = [[4, 6, 8, 9], [4, 6, 10, 0]]
+    seq, new = [13, 10], [1, 3]
+    for table, S in zip(tables, seq):  # each request's own tokens after the state
+        slots = torch.tensor([table[p // BS] * BS + p % BS for p in range(m, S)])
+        write_slots(kv, bias, torch.randn(S - m, HKV, D, generator=gen), torch.randn(S - m, HKV, D, generator=gen), slots)
+    q = torch.randn(4, HKV * G, D, generator=gen)
+    args = (torch.tensor([0, 1, 4]), torch.tensor(seq), torch.tensor(tables), SCALE)
+    one_pass = torch.empty_like(q)
+    lse_one = paged_attention(q, kv, bias, *args, one_pass)
+    own = torch.empty_like(q)
+    lse_own = paged_attention(q, kv, bias, *args, own, key_start=torch.tensor([m, m]))
+    st_out, st_lse = state_attention(q, k.transpose(0, 1), v.transpose(0, 1), b.transpose(0, 1), SCALE)
+    out, lse = merge(own, lse_own, st_out, st_lse)
+    torch.testing.assert_close(out, one_pass, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, lse_one, rtol=1e-5, atol=1e-5)
