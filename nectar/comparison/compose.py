@@ -160,6 +160,7 @@ class State:
     nbytes: int
     seconds: float
     arch: str | None
+    rho: float | None = None  # ``module``: the trained module's own budget (its spec's ρ)
 
 
 def fit_part(part: Part, s: System, rho: float, base, cache_dir: str | None = None, gap: int = 0) -> State:
@@ -225,7 +226,7 @@ def _fit_part(part: Part, s: System, rho: float, base, gap: int = 0) -> State:
             raise CompareInputError(f"system module: {ctx.run.root} has no trained module (run the pipeline "
                                     "through the train stage, or compare a baseline such as recon_fit@int4)")
         module, spec = load_module(ctx.run.url("train"), base, ctx.info.sha256, device=base.device)
-        return State(ModuleDocState(module), spec.module_bytes, time.perf_counter() - t0, spec.arch)
+        return State(ModuleDocState(module), spec.module_bytes, time.perf_counter() - t0, spec.arch, spec.rho)
     targets = ctx.stage_run("targets").url("targets")
     has_targets = ctx.stage_run("targets").read_manifest("targets") is not None
     method = system_method(s, ctx.config.train.module)
@@ -262,12 +263,25 @@ class Entry:
     positions: str | None = None
 
 
-def composed_entries(parts: list[Part], s: System, rho: float, positions: list[str], base, n: int,
+def at_rho(name: str, rho: float | None) -> str:
+    """A key at its budget (``recon_fit@int4@0.1``); one without a budget (ρ None) is its name alone."""
+    return name if rho is None else f"{name}@{rho:g}"
+
+
+def common_rho(states: list[State]) -> float | None:
+    """The run modules' budget when every document's module has the same one, else None (a table's –)."""
+    own = {st.rho for st in states}
+    return own.pop() if len(own) == 1 else None
+
+
+def composed_entries(parts: list[Part], s: System, rho: float | None, positions: list[str], base, n: int,
                      log: Callable[[str], None], cache_dir: str | None = None, prefix=None) -> list[Entry]:
     """The system fitted on every document, composed under each layout (and, given the shared template
     prefix's exact state, with that prefix held once: ``+once``), and each document alone. A ``+gaps``
     system fits each document at the gap each layout puts after it (``part_gaps``): one set of states
-    per layout, each document alone with its ``concat`` one."""
+    per layout, each document alone with its ``concat`` one. ``rho`` None (``module``, each run's own):
+    each state's own ρ labels its document's rows, and their common ρ the compositions' (none if they
+    differ: the rows' key is then the bare name and the table shows –)."""
     lengths = [p.layout.n for p in parts]
     fitted: dict[tuple[int, int], State] = {}
 
@@ -276,27 +290,30 @@ def composed_entries(parts: list[Part], s: System, rho: float, positions: list[s
         for i, (part, gap) in enumerate(zip(parts, gaps)):
             if (i, gap) not in fitted:
                 st = fitted[i, gap] = fit_part(part, s, rho, base, cache_dir, gap)
-                log(f"compose: {s.name} @ {rho:g} on {part.label}" + (f" (gap {gap})" if gap else "")
-                    + f": {st.nbytes / 1e6:.3f} MB in {st.seconds:.0f} s")
+                budget = rho if rho is not None else st.rho
+                log(f"compose: {s.name} @ {'–' if budget is None else f'{budget:g}'} on {part.label}"
+                    + (f" (gap {gap})" if gap else "") + f": {st.nbytes / 1e6:.3f} MB in {st.seconds:.0f} s")
         return [fitted[i, gap] for i, gap in enumerate(gaps)]
 
     out = []
     for pos in positions:
         states = states_for(pos)
         total, secs = sum(st.nbytes for st in states), sum(st.seconds for st in states)
+        budget = rho if rho is not None else common_rho(states)
         for once in ([False, True] if prefix is not None else [False]):
             provider, _ = compose([st.provider for st in states], lengths, pos, base.model, at=n,
                                   prefix=prefix if once else None)
             layout = f"{pos}+once" if once else pos
-            out.append(Entry(f"compose[{layout}]:{s.name}@{rho:g}", s.kind, rho, provider, total, secs,
-                             f"{len(parts)} states composed, positions {pos}"
+            out.append(Entry(at_rho(f"compose[{layout}]:{s.name}", budget), s.kind, budget, provider, total,
+                             secs, f"{len(parts)} states composed, positions {pos}"
                              + (", template prefix held once (its exact KV from the model, not stored)" if once else ""),
                              states[0].arch, s.name, layout))
     for i, (part, st) in enumerate(zip(parts, states_for("concat"))):
         only = [st.provider if j == i else None for j in range(len(parts))]
         provider, _ = compose(only, lengths, "concat", base.model, at=n)
-        out.append(Entry(f"alone:{part.label}:{s.name}@{rho:g}", s.kind, rho, provider, st.nbytes, st.seconds,
-                         f"{part.label}'s state alone, at its concat offset", st.arch, s.name, "alone"))
+        budget = rho if rho is not None else st.rho
+        out.append(Entry(at_rho(f"alone:{part.label}:{s.name}", budget), s.kind, budget, provider, st.nbytes,
+                         st.seconds, f"{part.label}'s state alone, at its concat offset", st.arch, s.name, "alone"))
     return out
 
 

@@ -136,3 +136,48 @@ def test_gap_fitted_states_are_cached_per_gap_and_compared_with_the_plain_ones(t
     assert {"compose[concat+once]:recon_fit@int4+gaps", "alone:varn:recon_fit@int4+gaps"} <= rows
     assert "| probes | compose[concat+once]:recon_fit@int4+gaps@0.2 | compose[concat+once]:recon_fit@int4@0.2 |" \
         in res["markdown"]  # paired with the same composition fitted without gaps
+
+
+def _with_module(run_root, base, rho=None):
+    """A module in the run's train stage, planned at the run's ρ for its document (weights untrained:
+    composing reads the module the way ``nectar run`` leaves it, and what it scores doesn't matter here)."""
+    from nectar.comparison.jobs import baseline_plan
+    from nectar.layout import build_layout
+    from nectar.modules import build_module, make_spec, save_module
+    from nectar.orchestration.context import open_run
+
+    ctx = open_run(run_root)
+    dims = dict(num_layers=base.num_layers, num_kv_heads=base.num_kv_heads, head_dim=base.head_dim,
+                n_context=build_layout(base.tokenizer, ctx.text).n, scaling=base.scaling)
+    plan = baseline_plan(ctx, rho or ctx.config.train.module.rho, dims)
+    module = build_module(plan)
+    spec = make_spec(module, plan, base.name, base.weights_hash, ctx.info.sha256, base.num_q_heads)
+    save_module(module, spec, ctx.run.url("train"))
+    return plan.rho
+
+
+def test_each_runs_own_module_composes_into_rows_labelled_with_its_rho(tmp_path, tiny_llama):
+    # the run's own module has no budget asked for it (ρ None in compare_composed): it is the module's,
+    # and every label and log line must say so rather than format None
+    runs = [_run(tmp_path, "varn", DOC_A), _run(tmp_path, "kell", DOC_B)]
+    rho = {_with_module(r, tiny_llama) for r in runs}.pop()
+    out, logged = tmp_path / "out", []
+    res = compare_composed(runs, str(out), ["none", "full", "module"], positions=["concat"], per_doc=3, both=1,
+                           log=logged.append)
+    rows = read_table(str(out / "comparison.parquet"), ComparisonRow)
+    by = {(r.system, r.split): r for r in rows}
+    assert {"none", "full", "compose[concat]:module", "compose[concat+once]:module", "alone:varn:module",
+            "alone:kell:module"} == {r.system for r in rows}
+    composed, alone = by[("compose[concat]:module", "probes")], by[("alone:varn:module", "probes")]
+    assert composed.rho == alone.rho == pytest.approx(rho) and composed.kind == "trained"
+    assert composed.state_bytes > alone.state_bytes > 0
+    assert by[("none", "probes")].rho is None and by[("full", "probes")].kl_to_full == pytest.approx(0.0, abs=1e-6)
+    assert f"| compose[concat]:module | trained | {rho:g} |" in res["markdown"]
+    assert any(line.startswith(f"compose: module @ {rho:g} on varn") for line in logged), logged
+    # modules of different budgets: each document's rows keep its own, the compositions have none (–)
+    other = _with_module(runs[1], tiny_llama, rho=2 * rho)
+    res = compare_composed(runs, str(tmp_path / "out2"), ["module"], positions=["concat"], per_doc=3, both=1,
+                           log=lambda _: None, prefix_once=False)
+    by = {r.system: r for r in res["rows"] if r.split == "probes"}
+    assert by["compose[concat]:module"].rho is None and "| compose[concat]:module | trained | – |" in res["markdown"]
+    assert (by["alone:varn:module"].rho, by["alone:kell:module"].rho) == pytest.approx((rho, other))
