@@ -5,9 +5,14 @@ they run one after the other, never together. Each answers ``--clients`` concurr
 ``/v1/completions`` requests of ``--new-tokens`` tokens (no stop) about a document of ``--doc-tokens``
 tokens:
 
-  state  the NECTAR KV connector with an m = ρ·n pseudo-token state (``nectar.vllm.connector``);
-         prompt = m placeholders + the question. The state's keys/values are RANDOM (seeded) — its
-         size, not its content, sets the speed.
+  state    the NECTAR KV connector with a plain-KV state of m pseudo-tokens (``nectar.vllm.connector``),
+           vLLM's own attention; prompt = m placeholders + the question. --preset P sizes it as the β-free
+           refit ``attention_matching_kv@intB`` at P's budget (the fallback `--engine vllm` serves without
+           the plugin); without --preset, m = ρ·n. The state's keys/values are RANDOM (seeded) — its size,
+           not its content, sets the speed.
+  backend  the product's state through NECTAR's attention backend plugin (``nectar.vllm.backend``): per-layer
+           widths of P's module plan (ragged layers padded with β = −inf to the widest, m placeholders),
+           random β; the state held once per server and attended by one GEMM per document and step.
   full   plain vLLM; prompt = the document's n tokens + the question; one warm-up request first,
          so every timed request finds the document in vLLM's prefix cache.
 
@@ -18,7 +23,7 @@ scheduler gauges polled during the burst (most requests running / waiting at onc
 preemptions, prefix-cache hit rate), and the step's lower bounds (bytes every step must read: the
 weights + each sequence's KV, at this machine's measured read bandwidth; its GFLOP).
 
-    python benchmarks/bench_serve_vllm.py --doc-tokens 8064 --clients 32 --new-tokens 64
+    python benchmarks/bench_serve_vllm.py --doc-tokens 8064 --clients 32 --new-tokens 64 --systems backend,state,full
 """
 from __future__ import annotations
 
@@ -38,11 +43,12 @@ from nectar.ports import free_port
 from nectar.vllm.format import STATE_FORMAT, STATE_VERSION
 from nectar.vllm.serve import ServedDocument, placeholder_token, state_server_spec
 from nectar.vllm.server import VLLMServer
-from nectar.vllm.venv import interpreter
+from nectar.vllm.venv import ensure_plugin, interpreter
 
 
-def random_state(path: str, cfg, m: int, n: int, seed: int = 0) -> None:
-    """A state file of the right shape for ``cfg`` (a transformers config) with seeded random KV."""
+def random_state(path: str, cfg, m: int, n: int, seed: int = 0, widths: list[int] | None = None) -> None:
+    """A state file of the right shape for ``cfg`` (a transformers config) with seeded random KV; with
+    ``widths`` (per layer) also a random β, −inf past each layer's width (the backend's ragged form)."""
     from safetensors.torch import save_file
 
     g = torch.Generator().manual_seed(seed)
@@ -52,10 +58,27 @@ def random_state(path: str, cfg, m: int, n: int, seed: int = 0) -> None:
     for i in range(cfg.num_hidden_layers):
         tensors[f"k.{i}"] = torch.randn(hkv, m, d, generator=g)  # [hkv, m, d]
         tensors[f"v.{i}"] = torch.randn(hkv, m, d, generator=g)
+        if widths is not None:
+            beta = torch.randn(hkv, m, generator=g)
+            beta[:, widths[i]:] = float("-inf")
+            tensors[f"b.{i}"] = beta  # [hkv, m]
     meta = {"format": STATE_FORMAT, "version": STATE_VERSION, "base_model": "bench", "base_model_hash": "random",
             "doc_sha256": "random", "n": str(n), "m": str(m), "num_layers": str(cfg.num_hidden_layers),
-            "num_kv_heads": str(hkv), "head_dim": str(d), "source": "random", "dtype": "float32"}
+            "num_kv_heads": str(hkv), "head_dim": str(d), "source": "random", "dtype": "float32",
+            "bias": "1" if widths is not None else "0"}
     save_file(tensors, path, metadata=meta)
+
+
+def preset_sizes(preset: str, cfg, n: int) -> tuple[list[int], int]:
+    """(the module plan's per-layer widths, the β-free refit's m at the same bytes and bits) for ``preset``."""
+    from nectar.modules.builder import plan_from_config
+    from nectar.schemas import load_config
+    from nectar.states import method_plan
+
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    plan = plan_from_config(load_config(preset).train.module, num_layers=cfg.num_hidden_layers,
+                            num_kv_heads=cfg.num_key_value_heads, head_dim=d, n_context=n, scaling=d ** -0.5)
+    return list(plan.quad_pairs), method_plan("attention_matching_kv", plan, plan.bits).quad_pairs[0]
 
 
 def one_request(url: str, body: dict, out: list, i: int) -> None:
@@ -181,6 +204,7 @@ def read_bandwidth_gb_s(gb: float = 1.0, repeats: int = 5) -> float:
 
 
 def run_server(spec, log) -> VLLMServer:
+    ensure_plugin(interpreter(build=False))  # the same plugin `nectar serve --engine vllm` installs
     server = VLLMServer(spec, log, python=interpreter(build=False), startup_timeout_s=3600)
     t0 = time.perf_counter()
     server.start()
@@ -192,7 +216,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=str(embedded_smollm2_dir()))
     ap.add_argument("--doc-tokens", type=int, default=8064)
-    ap.add_argument("--rho", type=float, default=0.05)
+    ap.add_argument("--rho", type=float, default=0.05, help="without --preset: the state's m = ρ·n")
+    ap.add_argument("--preset", default="cpu", help="size the states as this preset's module and its refit "
+                    "('' : m = ρ·n for the state, the backend needs a preset)")
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--dtype", default="bfloat16")
@@ -212,6 +238,9 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(args.model)
     pid, _ = placeholder_token(tok)
     n, m = args.doc_tokens, max(1, round(args.rho * args.doc_tokens))
+    widths = None
+    if args.preset:
+        widths, m = preset_sizes(args.preset, cfg, n)
     g = torch.Generator().manual_seed(1)
     # A document of n ordinary tokens (random ids from the vocabulary's word range: speed only).
     document = torch.randint(1000, min(len(tok), 40000), (n,), generator=g).tolist()
@@ -219,7 +248,8 @@ def main() -> None:
                  for i in range(args.clients)]
     common = {"max_tokens": args.new_tokens, "temperature": 0.0, "ignore_eos": True}
     tmp = tempfile.mkdtemp(prefix="bench_serve_vllm_")
-    results = {"model": args.model, "n": n, "m": m, "clients": args.clients, "new_tokens": args.new_tokens,
+    results = {"model": args.model, "n": n, "m": m, "preset": args.preset, "backend_widths": widths,
+               "clients": args.clients, "new_tokens": args.new_tokens,
                "dtype": args.dtype, "enforce_eager": args.enforce_eager, "cpus": os.cpu_count(),
                "loadavg_start": os.getloadavg()[0], "max_num_seqs": args.max_num_seqs or args.clients,
                "max_num_batched_tokens": args.max_num_batched_tokens, "kv_cache_gib": args.kv_cache_gib,
@@ -238,6 +268,15 @@ def main() -> None:
             spec = state_server_spec(args.model, [ServedDocument("bench", state, m)], pid, max_model_len=m + window - n,
                                      **settings)
             bodies = [{"model": "bench", "prompt": [pid] * m + q, "cache_salt": "bench", **common} for q in questions]
+        elif system == "backend":
+            if widths is None:
+                raise SystemExit("--systems backend needs --preset (its per-layer widths)")
+            mb = max(widths)
+            state = os.path.join(tmp, "backend.safetensors")
+            random_state(state, cfg, mb, n, widths=widths)
+            spec = state_server_spec(args.model, [ServedDocument("bench", state, mb, bias=True)], pid,
+                                     max_model_len=mb + window - n, **settings)
+            bodies = [{"model": "bench", "prompt": [pid] * mb + q, "cache_salt": "bench", **common} for q in questions]
         else:
             spec = state_server_spec(args.model, [], pid, max_model_len=window, **settings)  # plain vLLM: no connector
             bodies = [{"model": "bench", "prompt": document + q, **common} for q in questions]
@@ -248,14 +287,25 @@ def main() -> None:
             results[system] = {"warmup_ttft_s": warm["ttft_mean_s"], **burst(server.root_url, bodies, server.proc.pid)}
         finally:
             server.stop()
-        prefix = m if system == "state" else n
-        bound = bytes_per_step(cfg, args.dtype, [prefix + len(q) + args.new_tokens // 2 for q in questions])
+        if system == "backend":  # the state read once per step (float32), each request's own tokens
+            own = bytes_per_step(cfg, args.dtype, [len(q) + args.new_tokens // 2 for q in questions])
+            state_gb = 2 * sum(widths) * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4 / 1e9
+            bound = {**own, "kv_gb": own["kv_gb"] + state_gb, "attention_gflop": own["attention_gflop"] + sum(
+                4 * cfg.num_attention_heads * (cfg.hidden_size // cfg.num_attention_heads) * w for w in widths)
+                * len(questions) / 1e9}
+        else:
+            prefix = m if system == "state" else n
+            bound = bytes_per_step(cfg, args.dtype, [prefix + len(q) + args.new_tokens // 2 for q in questions])
         bound["read_s"] = (bound["weights_gb"] + bound["kv_gb"]) / results["read_bandwidth_gb_s"]
         results[system]["per_step"] = bound
         print(f"  {system}: {json.dumps(results[system])}", flush=True)
-    if "state" in results and "full" in results:
-        results["tok_s_ratio"] = results["state"]["tok_s"] / results["full"]["tok_s"]
-        results["ttft_ratio"] = results["state"]["ttft_mean_s"] / results["full"]["ttft_mean_s"]
+    for system in ("state", "backend"):
+        if system in results and "full" in results:
+            key = "" if system == "state" else "backend_"
+            results[f"{key}tok_s_ratio"] = results[system]["tok_s"] / results["full"]["tok_s"]
+            results[f"{key}ttft_ratio"] = results[system]["ttft_mean_s"] / results["full"]["ttft_mean_s"]
+    if "state" in results and "backend" in results:
+        results["backend_vs_state_tok_s"] = results["backend"]["tok_s"] / results["state"]["tok_s"]
     results["loadavg_end"] = os.getloadavg()[0]
     print(json.dumps(results, indent=1))
     if args.out:

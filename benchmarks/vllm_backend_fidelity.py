@@ -45,8 +45,7 @@ def measure(run_dir: str, source: str, args, base, doc_kv, pairs, log) -> dict:
                                    log)
     doc = docs[0]
     python = interpreter(build=False)
-    if doc.bias:
-        ensure_plugin(python)
+    ensure_plugin(python)  # β states need its backend; every state server its prompt log-probs
     server = VLLMServer(spec, log_path, python=python, startup_timeout_s=1800)
     load0 = os.getloadavg()[0]
     t0 = time.perf_counter()

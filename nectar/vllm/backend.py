@@ -43,6 +43,7 @@ class DenseState:
 
 DOCUMENTS: dict[str, DenseState] = {}  # doc id → its state, this process
 BLOCKS: dict[int, str] = {}  # cache block id → the document whose state starts there
+_ANNOUNCED: set[str] = set()  # documents the split path has served (logged once each)
 
 
 def register_document(doc: str, m: int, keys: list[torch.Tensor], values: list[torch.Tensor],
@@ -119,6 +120,9 @@ class NectarAttentionImpl(CPUAttentionBackendImpl):
                               key_start=first)
         starts = meta.query_start_loc.tolist()
         for doc in set(filter(None, docs)):
+            if doc not in _ANNOUNCED:
+                _ANNOUNCED.add(doc)
+                logger.info("nectar: document %s attended by the split path (its state once per step)", doc)
             rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i, dd in enumerate(docs) if dd == doc])
             k, v, b = DOCUMENTS[doc].layers[self._index]
             st_out, st_lse = state_attention(q[rows], k, v, b, self.scale)  # [T_doc, H, d], [T_doc, H]

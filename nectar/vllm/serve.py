@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..layout import PromptLayout
 from .format import has_bias, read_state_meta
-from .plugin import BIASED, ENV as ATTENTION_ENV
+from .plugin import BIASED, ENV as ATTENTION_ENV, STATES_ENV
 from .server import ServerSpec
 from .venv import VLLMError
 
@@ -102,7 +102,9 @@ def state_server_spec(model_path: str, docs: list[ServedDocument], placeholder_i
         extra += ["--chat-template", chat_template_path]
     reserved = os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
     env = [("VLLM_CPU_NUM_OF_RESERVED_CPU", reserved)]
-    if any(d.bias for d in docs):  # the plugin (installed by nectar.vllm.venv.ensure_plugin) registers the backend
+    if docs:  # the plugin (installed by nectar.vllm.venv.ensure_plugin): prompt log-probs read the states
+        env.append((STATES_ENV, "1"))
+    if any(d.bias for d in docs):  # … and registers the attention backend that adds β
         env.append((ATTENTION_ENV, BIASED))
     return ServerSpec(model=model_path, served_name=served_name, dtype=dtype, max_model_len=max_model_len,
                       kv_cache_gib=kv_cache_gib, port=port, host=host, seed=None, max_num_seqs=max_num_seqs,

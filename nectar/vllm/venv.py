@@ -32,7 +32,7 @@ CPU_UNWANTED: tuple[str, ...] = ("torchvision", "torchaudio", "torchcodec")
 STAMP = ".nectar-vllm-installed"
 # The entry point that loads nectar.vllm.plugin (the attention backend for states with β) in vLLM's processes.
 PLUGIN_DIR = Path(__file__).resolve().parents[2] / "infra" / "vllm-plugin"
-PLUGIN_DIST, PLUGIN_VERSION = "nectar-vllm-plugin", "1.0.0"
+PLUGIN_DIST, PLUGIN_VERSION = "nectar-vllm-plugin", "1.1.0"  # = infra/vllm-plugin/pyproject.toml
 PYTHON_ENV = "NECTAR_VLLM_PYTHON"
 
 
@@ -109,7 +109,7 @@ def plugin_installed(python: str) -> bool:
 
 
 def ensure_plugin(python: str, log_path: Path | None = None) -> None:
-    """Install NECTAR's vLLM plugin entry point (``infra/vllm-plugin``, no dependencies, ~1 s) into the
+    """Install (or update) NECTAR's vLLM plugin entry point (``infra/vllm-plugin``, no dependencies, ~1 s) into the
     environment of ``python`` unless this version is there. Built from a copy, so the checkout stays clean;
     serialized by a lock beside that environment. Raises VLLMError (one line, naming the log)."""
     if plugin_installed(python):

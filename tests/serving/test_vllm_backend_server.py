@@ -15,7 +15,8 @@ import torch
 from nectar.attention.doc_kv import prefill_document
 from nectar.attention.engine import generate
 from nectar.base_model import embedded_smollm2_dir, load_base_model
-from nectar.evaluation.vllm_equivalence import equivalence, token_ids, torch_provider, vllm_complete
+from nectar.evaluation.teacher import EvalPair
+from nectar.evaluation.vllm_equivalence import equivalence, probe_fidelity, token_ids, torch_provider, vllm_complete
 from nectar.layout import build_layout
 from nectar.schemas.config import ModelConfig
 from nectar.vllm.serve import REPO_ROOT, ServedDocument, placeholder_token, state_server_spec
@@ -35,6 +36,7 @@ DOCS = {
 }
 QUESTIONS = ["Who is named in the document?", "What year is mentioned?", "Summarize the document.",
              "What happened first?", "Where does the story take place?", "List two facts from the text."]
+DOC_KVS: dict = {}  # doc id → its full KV (the fixture's), for the full-context reference
 M = 40  # pseudo-tokens: the exact KV of the document's last M tokens, with a β per pair and ragged heads
 
 
@@ -59,10 +61,12 @@ def served(tmp_path_factory):
     base = load_base_model(ModelConfig(name="embedded:smollm2-135m", dtype="float32"))
     pid, _ = placeholder_token(base.tokenizer)
     gen = torch.Generator().manual_seed(0)
-    layouts, docs = {}, []
+    layouts, docs, doc_kvs = {}, [], {}
     for doc_id, text in DOCS.items():
         layout = build_layout(base.tokenizer, text)
-        keys, values, betas = _biased_state(prefill_document(base, layout.context_ids), gen)
+        doc_kv = prefill_document(base, layout.context_ids)
+        keys, values, betas = _biased_state(doc_kv, gen)
+        doc_kvs[doc_id] = doc_kv
         path = str(tmp / f"{doc_id}.safetensors")
         write_state(path, keys, values, base, layout.n, doc_id, "last-tokens+beta", betas)
         layouts[doc_id] = layout
@@ -74,6 +78,7 @@ def served(tmp_path_factory):
     server = VLLMServer(spec, tmp / "server.log", python=python, startup_timeout_s=1800)
     try:
         server.start()
+        DOC_KVS.update(doc_kvs)
         yield base, layouts, {d.doc_id: d.state_path for d in docs}, server.root_url, pid, tmp / "server.log"
     finally:
         server.stop()
@@ -124,6 +129,25 @@ def test_two_documents_in_one_batch_do_not_leak(served):
     assert same >= 0.9 * len(jobs), {job: (got[job], want[job[0]][job[1]]) for job in jobs}
 
 
+def test_teacher_forced_prompt_logprobs_read_the_state(served):
+    """prompt_logprobs through vLLM equal the torch engine's with the same state (the plugin keeps such requests
+    reading the prefix cache, where the state lives; vLLM's default skips it and the answer is document-free)."""
+    base, layouts, states, url, pid, _ = served
+    provider, n = torch_provider(states["doc-a"], base)
+    prompts = [layouts["doc-a"].prompt(q).ids for q in QUESTIONS[:3]]
+    answers = generate(base, provider, n, prompts, 12, stop_ids=()).tokens
+    pairs = [EvalPair(f"p{i}", "qa", ("probes",), tuple(p + a), len(p)) for i, (p, a) in enumerate(zip(prompts, answers))]
+    fid = probe_fidelity(base, DOC_KVS["doc-a"], states["doc-a"], url, "nectar", pairs, pid, "doc-a", top_k=100)
+    assert fid.kl_torch_vllm.value < 1e-3, fid.line()
+    assert abs(fid.recovered_vllm.value - fid.recovered_torch.value) < 0.01, fid.line()
+
+
+def test_zz_both_documents_took_the_split_path(served):
+    *_, log = served
+    text = log.read_text()
+    assert all(f"nectar: document {d} attended by the split path" in text for d in DOCS), text[-3000:]
+
+
 def test_a_beta_state_without_the_backend_is_refused_naming_the_file(served, tmp_path):
     """In vLLM's own environment, no server: the connector's check, before and after the plugin registers."""
     *_, states, _url, _pid, _log = served
@@ -133,7 +157,7 @@ def test_a_beta_state_without_the_backend_is_refused_naming_the_file(served, tmp
             f"metas, paths = {{'a': read_state_meta({path!r})}}, {{'a': {path!r}}}\n"
             "try:\n    _check_backend(metas, paths)\nexcept ValueError as e:\n    print('REFUSED', e)\n"
             "from nectar.vllm.plugin import register\nregister()\n_check_backend(metas, paths)\nprint('ACCEPTED')\n")
-    env = {**os.environ, "PYTHONPATH": REPO_ROOT}
+    env = {**os.environ, "PYTHONPATH": REPO_ROOT, "NECTAR_VLLM_ATTENTION": "biased"}  # read by register()
     done = subprocess.run([interpreter(build=False), "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     refused = next(line for line in done.stdout.splitlines() if line.startswith("REFUSED"))

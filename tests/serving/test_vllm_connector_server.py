@@ -18,7 +18,7 @@ from nectar.evaluation.vllm_equivalence import equivalence, token_ids, torch_pro
 from nectar.vllm.serve import ServedDocument, placeholder_token, state_server_spec
 from nectar.vllm.server import VLLMServer
 from nectar.vllm.state import write_state
-from nectar.vllm.venv import interpreter, venv_python
+from nectar.vllm.venv import ensure_plugin, interpreter, venv_python
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400), pytest.mark.skipif(
     not os.path.exists(os.path.expanduser(os.environ.get("NECTAR_VLLM_PYTHON", str(venv_python())))),
@@ -53,6 +53,7 @@ def served(tmp_path_factory):
         docs.append(ServedDocument(doc_id, path, M))
     spec = state_server_spec(str(embedded_smollm2_dir()), docs, pid, served_name="nectar", dtype="float32",
                              max_model_len=1024, enforce_eager=True, max_logprobs=100, kv_cache_gib=1)
+    ensure_plugin(interpreter(build=False))
     server = VLLMServer(spec, tmp / "server.log", python=interpreter(build=False), startup_timeout_s=1800)
     try:
         server.start()

@@ -94,8 +94,7 @@ def serve_vllm(run_dirs: list[str], opts: VLLMOptions, log=print) -> None:
         signal.signal(sig, lambda *_: stop.set())
     # `nectar llm setup` builds the venv: serving never starts a 3.4 GB build unasked
     python = opts.python or interpreter(build=False)
-    if any(d.bias for d in docs):
-        ensure_plugin(python)  # the entry point that loads the NECTAR attention backend in vLLM's processes
+    ensure_plugin(python)  # the entry point of NECTAR's plugin in vLLM's processes (attention backend, prompt log-probs)
     server = VLLMServer(spec, log_path, python=python, startup_timeout_s=opts.startup_timeout_s)
     try:
         log(f"starting vLLM (its own process group; log {log_path}) …")
