@@ -8,13 +8,13 @@ here only when the server runs with ``NECTAR_VLLM_STATES=1`` (``nectar.vllm.serv
 sets it for every server of document states), so other vLLM servers in that environment never import
 nectar. This module is imported from the checkout on the server's PYTHONPATH.
 
-* **Prompt log-probabilities.** vLLM makes a request that asks for ``prompt_logprobs`` skip reading the
-  prefix cache (its cached positions would have no log-probability) — and the KV connector's document
-  state IS what the request would read there: without it the placeholders run through the model as
-  ordinary tokens and every log-probability is the model's without the document. On these servers every
-  request reads the cache; the positions it did not compute (the m placeholders, and any cached prefix
-  after them) are reported as token 0 with log-probability 0 — no meaningful value (vLLM's own buffer
-  there is uninitialised and its ids crash the API server's detokenizer).
+* **Prompt log-probabilities.** vLLM makes a request that asks for ``prompt_logprobs`` skip the prefix
+  cache (cached positions would have no log-probability) — and with it the KV connector's tokens, so
+  the placeholders ran through the model as ordinary tokens and every log-probability was the model's
+  without the document. On these servers such a request still takes its state from the connector and
+  only the local prefix cache is skipped: every position after the m placeholders is computed. The
+  placeholders' own rows are reported as token 0 with log-probability 0 (no meaningful value; vLLM's
+  buffer there is uninitialised and its ids crashed the API server's detokenizer).
 * **The attention backend**, when ``NECTAR_VLLM_ATTENTION=biased`` (states with β): CPU only in this release.
 """
 from __future__ import annotations
@@ -45,27 +45,36 @@ def register() -> None:
 
 
 def _read_prefix_cache_for_prompt_logprobs() -> None:
-    """In the engine core, where the scheduler asks each request whether to skip the prefix cache."""
+    """In the engine core: a request asking for prompt log-probs keeps its external (state) tokens but no
+    local prefix-cache hit, so every position after the m placeholders is computed."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.outputs import LogprobsTensors
     from vllm.v1.request import Request
 
-    def never_skip(self) -> bool:
-        return False  # the document's state lives in the prefix cache
-
-    Request.get_skip_reading_prefix_cache = never_skip
-    empty_cpu = LogprobsTensors.empty_cpu
-    if getattr(empty_cpu, "_nectar", False):
+    if getattr(Request.get_skip_reading_prefix_cache, "_nectar", False):
         return
+    vllm_skip = Request.get_skip_reading_prefix_cache
+    lookup = KVCacheManager.prefix_cache_lookup_enabled
+    empty_cpu = LogprobsTensors.empty_cpu
+
+    def read_external(self) -> bool:
+        self.nectar_local_cache_off = vllm_skip(self)  # what vLLM asked: no local hits for prompt log-probs
+        return False  # … but the scheduler still asks the connector for the state's tokens
+
+    def local_lookup(self, request) -> bool:
+        return lookup(self, request) and not getattr(request, "nectar_local_cache_off", False)
 
     def zeroed_cpu(num_positions: int, num_tokens_per_position: int) -> LogprobsTensors:
-        # The runner fills prompt log-probs from the first computed position on; the rows before it
-        # (placeholders, cached prefix) would hold garbage ids the API server cannot detokenize.
+        # The runner fills prompt log-probs from the first computed position on; the placeholders' rows
+        # would hold garbage ids the API server cannot detokenize.
         t = empty_cpu(num_positions, num_tokens_per_position)
         for x in (t.logprob_token_ids, t.logprobs, t.selected_token_ranks):
             x.zero_()
         return t
 
-    zeroed_cpu._nectar = True  # type: ignore[attr-defined]
+    read_external._nectar = True  # type: ignore[attr-defined]
+    Request.get_skip_reading_prefix_cache = read_external
+    KVCacheManager.prefix_cache_lookup_enabled = local_lookup
     LogprobsTensors.empty_cpu = staticmethod(zeroed_cpu)
 
 

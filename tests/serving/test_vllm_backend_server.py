@@ -130,16 +130,19 @@ def test_two_documents_in_one_batch_do_not_leak(served):
 
 
 def test_teacher_forced_prompt_logprobs_read_the_state(served):
-    """prompt_logprobs through vLLM equal the torch engine's with the same state (the plugin keeps such requests
-    reading the prefix cache, where the state lives; vLLM's default skips it and the answer is document-free)."""
+    """prompt_logprobs through vLLM equal the torch engine's with the same state: the plugin keeps such requests
+    taking their state from the connector (vLLM's default skips it: document-free numbers) and computing every
+    position after it — asked twice, so the second time the prompts' blocks are in the prefix cache."""
     base, layouts, states, url, pid, _ = served
     provider, n = torch_provider(states["doc-a"], base)
-    prompts = [layouts["doc-a"].prompt(q).ids for q in QUESTIONS[:3]]
+    long = " ".join(["Read the document about the island and its keeper with care."] * 24)  # > one cache block
+    prompts = [layouts["doc-a"].prompt(q).ids for q in [*QUESTIONS[:2], long + " Who?", long + " When?"]]
     answers = generate(base, provider, n, prompts, 12, stop_ids=()).tokens
     pairs = [EvalPair(f"p{i}", "qa", ("probes",), tuple(p + a), len(p)) for i, (p, a) in enumerate(zip(prompts, answers))]
-    fid = probe_fidelity(base, DOC_KVS["doc-a"], states["doc-a"], url, "nectar", pairs, pid, "doc-a", top_k=100)
-    assert fid.kl_torch_vllm.value < 1e-3, fid.line()
-    assert abs(fid.recovered_vllm.value - fid.recovered_torch.value) < 0.01, fid.line()
+    for _ in range(2):
+        fid = probe_fidelity(base, DOC_KVS["doc-a"], states["doc-a"], url, "nectar", pairs, pid, "doc-a", top_k=100)
+        assert fid.kl_torch_vllm.high < 1e-3, fid.line()
+        assert abs(fid.recovered_vllm.value - fid.recovered_torch.value) < 0.01, fid.line()
 
 
 def test_zz_both_documents_took_the_split_path(served):
