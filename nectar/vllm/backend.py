@@ -20,7 +20,7 @@ Loaded inside the vLLM server's environment: imports torch and vLLM, never the r
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,10 +35,20 @@ logger = init_logger(f"vllm.{__name__}")  # under "vllm": its handler prints it
 _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 
 
-@dataclass(frozen=True)
+@dataclass
 class DenseState:
     m: int  # the document's pseudo-tokens (the request's own tokens start at slot m)
     layers: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ...]  # per layer: keys, values [hkv, w, d], β [hkv, w]
+    cast: dict = field(default_factory=dict)  # (layer, dtype) → keys, values in the server's dtype (made once)
+
+    def layer(self, index: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Keys and values in ``dtype`` (the queries'), β in float32."""
+        k, v, b = self.layers[index]
+        if dtype == k.dtype:
+            return k, v, b
+        if (index, dtype) not in self.cast:
+            self.cast[(index, dtype)] = (k.to(dtype).contiguous(), v.to(dtype).contiguous())
+        return (*self.cast[(index, dtype)], b)
 
 
 DOCUMENTS: dict[str, DenseState] = {}  # doc id → its state, this process
@@ -124,7 +134,7 @@ class NectarAttentionImpl(CPUAttentionBackendImpl):
                 _ANNOUNCED.add(doc)
                 logger.info("nectar: document %s attended by the split path (its state once per step)", doc)
             rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i, dd in enumerate(docs) if dd == doc])
-            k, v, b = DOCUMENTS[doc].layers[self._index]
+            k, v, b = DOCUMENTS[doc].layer(self._index, q.dtype)
             st_out, st_lse = state_attention(q[rows], k, v, b, self.scale)  # [T_doc, H, d], [T_doc, H]
             own[rows], _ = merge(own[rows], lse[rows], st_out, st_lse)
         out.copy_(own.to(out.dtype))

@@ -215,5 +215,11 @@ def _read_kv(path: str) -> tuple[list[torch.Tensor], list[torch.Tensor], list[to
         keys = [f.get_tensor(f"k.{i}") for i in range(layers)]  # [hkv, m, d]
         values = [f.get_tensor(f"v.{i}") for i in range(layers)]
         betas = [f.get_tensor(f"b.{i}") for i in range(layers)] if has_bias(meta) else None  # [hkv, m]
+    want = (int(meta["num_kv_heads"]), int(meta["m"]), int(meta["head_dim"]))
+    for i in range(layers):
+        if tuple(keys[i].shape) != want or tuple(values[i].shape) != want or (
+                betas is not None and tuple(betas[i].shape) != want[:2]):
+            raise ValueError(f"{path}: layer {i}'s tensors do not have the shapes its metadata says ([hkv, m, d] = "
+                             f"{list(want)}); the file is damaged: re-export it with `nectar serve RUN_DIR --engine vllm`")
     return keys, values, betas
 

@@ -117,3 +117,16 @@ def test_the_split_path_state_gemm_merged_with_own_slots_equals_one_pass():
     out, lse = merge(own, lse_own, st_out, st_lse)
     torch.testing.assert_close(out, one_pass, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse, lse_one, rtol=1e-5, atol=1e-5)
+
+
+def test_a_bf16_state_attends_within_bf16_rounding_of_float32():
+    """On a bf16 server the state's two matmuls run in bf16 (oneDNN's fast kernels), the softmax in float32."""
+    gen = torch.Generator().manual_seed(4)
+    k, v = torch.randn(HKV, 50, D, generator=gen), torch.randn(HKV, 50, D, generator=gen)
+    beta = torch.randn(HKV, 50, generator=gen)
+    q = torch.randn(5, HKV * G, D, generator=gen)
+    want, want_lse = state_attention(q, k, v, beta, SCALE)
+    got, got_lse = state_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), beta, SCALE)
+    assert got.dtype == torch.float32 and got_lse.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=0, atol=3e-2)
+    torch.testing.assert_close(got_lse, want_lse, rtol=0, atol=3e-2)

@@ -55,7 +55,10 @@ def export_run_state(run_dir: str, source: str | None = None, log=print) -> Expo
     trained = ctx.run.exists("train", "module.json")
     default_refit = refit_system(ctx.config.train.module.bits)
     wanted = source or ("trained" if trained else default_refit)
-    reused = reusable_state(path, record, base.weights_hash, ctx.info.sha256, wanted)
+    reused = reusable_state(path, record, base.weights_hash, ctx.info.sha256, source)  # None: any verified one
+    if source is None and reused is not None and system_bits(reused.source)[0] == KV_BASELINE \
+            and (trained or reused.source != default_refit):
+        reused = None  # a refit exported before the trained module was served as it is, or at other bits: again
     if reused is not None:
         return dataclasses.replace(reused, doc_id=ctx.info.doc_id)
     doc_kv = load_run_doc_kv(ctx)
