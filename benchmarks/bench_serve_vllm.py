@@ -42,6 +42,7 @@ from nectar.base_model import embedded_smollm2_dir
 from nectar.ports import free_port
 from nectar.vllm.format import STATE_FORMAT, STATE_VERSION
 from nectar.vllm.serve import ServedDocument, placeholder_token, state_server_spec
+from nectar.shutdown import handling_signals
 from nectar.vllm.server import VLLMServer
 from nectar.vllm.venv import ensure_plugin, interpreter
 
@@ -314,4 +315,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with handling_signals():  # SIGTERM/Ctrl-C raise, so each server's `finally: server.stop()` runs
+        main()

@@ -27,6 +27,7 @@ from nectar.serving.engines.vllm import VLLMOptions, prepare
 from nectar.tables import read_table
 from nectar.targets.store import open_targets, targets_zarr_url
 from nectar.vllm.serve import placeholder_token
+from nectar.shutdown import handling_signals
 from nectar.vllm.server import VLLMServer
 from nectar.vllm.venv import ensure_plugin, interpreter
 
@@ -106,4 +107,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with handling_signals():  # SIGTERM/Ctrl-C raise, so each server's `finally: server.stop()` runs
+        main()
