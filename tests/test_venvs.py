@@ -65,3 +65,26 @@ def test_the_vllm_and_kvpress_stamps_written_before_keep_their_venvs_ready(tmp_p
     assert venv_ready()
     env = read_env(kv_root)
     assert env is not None and env.facts["build_s"] == 121.5 and env.python == kv_root / "bin" / "python"
+
+
+def test_the_vllm_plugin_entry_point_installs_into_a_fresh_venv_once(tmp_path):
+    """``ensure_plugin`` on a new venv (as on a fresh machine's vLLM venv): the entry point vLLM looks up is
+    there afterwards, a second call changes nothing, and the checkout gains no build files."""
+    import subprocess
+
+    from nectar.vllm.venv import PLUGIN_DIR, ensure_plugin, plugin_installed
+
+    before = sorted(p.name for p in PLUGIN_DIR.iterdir())
+    subprocess.run([sys.executable, "-m", "venv", str(tmp_path / "venv")], check=True)
+    python = str(tmp_path / "venv" / "bin" / "python")
+    assert not plugin_installed(python)
+    ensure_plugin(python, log_path=tmp_path / "plugin.log")
+    assert plugin_installed(python)
+    probe = ("import importlib.metadata as m; "
+             "print([e.value for e in m.entry_points(group='vllm.general_plugins') if e.name == 'nectar'])")
+    out = subprocess.run([python, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "['nectar_vllm_entry:register']"
+    mtime = (tmp_path / "plugin.log").stat().st_mtime_ns
+    ensure_plugin(python, log_path=tmp_path / "plugin.log")  # already there: no pip run, the log untouched
+    assert (tmp_path / "plugin.log").stat().st_mtime_ns == mtime
+    assert sorted(p.name for p in PLUGIN_DIR.iterdir()) == before

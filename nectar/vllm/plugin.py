@@ -2,8 +2,8 @@
 log-probabilities, and registers the NECTAR attention backend (``nectar.vllm.backend``) for CPU_ATTN.
 
 vLLM calls its general plugins in every process it starts (API server, engine core, workers). The
-entry point (``vllm.general_plugins: nectar``) is the one-module distribution in ``infra/vllm-plugin``
-that ``nectar.vllm.venv.ensure_plugin`` installs into vLLM's own environment; it calls ``register()``
+entry point (``vllm.general_plugins: nectar``) is the one module in ``infra/vllm-plugin``, which
+``nectar.vllm.venv.ensure_plugin`` installs into vLLM's own environment as a wheel; it calls ``register()``
 here only when the server runs with ``NECTAR_VLLM_STATES=1`` (``nectar.vllm.serve.state_server_spec``
 sets it for every server of document states), so other vLLM servers in that environment never import
 nectar. This module is imported from the checkout on the server's PYTHONPATH.

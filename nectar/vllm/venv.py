@@ -11,12 +11,14 @@ venv of your own), else this venv's (built first when ``build``).
 """
 from __future__ import annotations
 
+import base64
 import fcntl
+import hashlib
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
+import zipfile
 from pathlib import Path
 
 import torch
@@ -30,9 +32,12 @@ VLLM_CUDA_PINS: tuple[str, ...] = ("vllm==0.32.0",)
 # vLLM's text path does not use them.
 CPU_UNWANTED: tuple[str, ...] = ("torchvision", "torchaudio", "torchcodec")
 STAMP = ".nectar-vllm-installed"
-# The entry point that loads nectar.vllm.plugin (the attention backend for states with β) in vLLM's processes.
+# The entry point that loads nectar.vllm.plugin (the attention backend for states with β) in vLLM's processes:
+# one module (infra/vllm-plugin/) shipped as a wheel this file writes; a new version is installed over the old.
 PLUGIN_DIR = Path(__file__).resolve().parents[2] / "infra" / "vllm-plugin"
-PLUGIN_DIST, PLUGIN_VERSION = "nectar-vllm-plugin", "1.1.0"  # = infra/vllm-plugin/pyproject.toml
+PLUGIN_MODULE = "nectar_vllm_entry.py"
+PLUGIN_DIST, PLUGIN_VERSION = "nectar-vllm-plugin", "1.1.0"
+PLUGIN_ENTRY = "nectar = nectar_vllm_entry:register"
 PYTHON_ENV = "NECTAR_VLLM_PYTHON"
 
 
@@ -108,13 +113,38 @@ def plugin_installed(python: str) -> bool:
     return done.returncode == 0 and done.stdout.strip() == PLUGIN_VERSION
 
 
+def plugin_wheel(out_dir: Path) -> Path:
+    """The plugin's wheel, written directly (a zip of ``nectar_vllm_entry.py`` and its dist-info): no build
+    backend, so it installs offline into any environment with pip, old setuptools or none."""
+    name = PLUGIN_DIST.replace("-", "_")
+    info = f"{name}-{PLUGIN_VERSION}.dist-info"
+    files = {
+        PLUGIN_MODULE: (PLUGIN_DIR / PLUGIN_MODULE).read_bytes(),
+        f"{info}/METADATA": (f"Metadata-Version: 2.1\nName: {PLUGIN_DIST}\nVersion: {PLUGIN_VERSION}\n"
+                             "Summary: vLLM general-plugin entry point for NECTAR (docs/deployment.md §15)\n").encode(),
+        f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: nectar\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        f"{info}/entry_points.txt": f"[vllm.general_plugins]\n{PLUGIN_ENTRY}\n".encode(),
+    }
+
+    def digest(data: bytes) -> str:
+        return base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+
+    record = "".join(f"{path},sha256={digest(data)},{len(data)}\n" for path, data in files.items())
+    files[f"{info}/RECORD"] = (record + f"{info}/RECORD,,\n").encode()
+    wheel = out_dir / f"{name}-{PLUGIN_VERSION}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w", zipfile.ZIP_DEFLATED) as z:
+        for path, data in files.items():
+            z.writestr(path, data)
+    return wheel
+
+
 def ensure_plugin(python: str, log_path: Path | None = None) -> None:
-    """Install (or update) NECTAR's vLLM plugin entry point (``infra/vllm-plugin``, no dependencies, ~1 s) into the
-    environment of ``python`` unless this version is there. Built from a copy, so the checkout stays clean;
-    serialized by a lock beside that environment. Raises VLLMError (one line, naming the log)."""
+    """Install (or update) NECTAR's vLLM plugin entry point (``plugin_wheel``: no dependencies, offline, ~1 s)
+    into the environment of ``python`` unless this version is there; serialized by a lock beside the log.
+    Raises VLLMError (one line, naming the log)."""
     if plugin_installed(python):
         return
-    env_root = Path(python).resolve().parent.parent
+    env_root = Path(python).parent.parent  # the venv, not the interpreter its python links to
     log = log_path or venv_dir().parent / "vllm-plugin.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log.parent / ".vllm-plugin.lock", "w") as lock:
@@ -122,10 +152,9 @@ def ensure_plugin(python: str, log_path: Path | None = None) -> None:
         if plugin_installed(python):
             return
         with tempfile.TemporaryDirectory() as tmp, open(log, "a") as out:
-            src = shutil.copytree(PLUGIN_DIR, Path(tmp) / "plugin")
-            rc = subprocess.call([python, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                                  "--no-index", str(src)], stdout=out, stderr=subprocess.STDOUT,
-                                 stdin=subprocess.DEVNULL)
+            wheel = plugin_wheel(Path(tmp))
+            rc = subprocess.call([python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)],
+                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         if rc != 0 or not plugin_installed(python):
             raise VLLMError(f"could not install the NECTAR vLLM plugin into {env_root} (pip exit {rc}); it needs "
-                            f"setuptools in that environment (`{python} -m pip install setuptools`); log {log}")
+                            f"pip there (`{python} -m ensurepip`); log {log}")
