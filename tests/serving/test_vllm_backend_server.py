@@ -22,18 +22,11 @@ from nectar.schemas.config import ModelConfig
 from nectar.vllm.serve import REPO_ROOT, ServedDocument, placeholder_token, state_server_spec
 from nectar.vllm.server import VLLMServer
 from nectar.vllm.state import write_state
-from nectar.vllm.venv import ensure_plugin, interpreter, venv_python
+from nectar.vllm.venv import ensure_plugin, interpreter
+from vllm_server_docs import TWO_DOCS, VLLM_SERVER_MARKS
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400), pytest.mark.skipif(
-    not os.path.exists(os.path.expanduser(os.environ.get("NECTAR_VLLM_PYTHON", str(venv_python())))),
-    reason="no vLLM environment")]
-
-DOCS = {
-    "doc-a": "The lighthouse on Varn Island was bought by Captain Ilse Brandt in 1871. Its keeper kept a "
-             "ledger of every ship, and the schooner Meridian ran aground on the northern reef with salt cod.",
-    "doc-b": "The observatory at Tarn Ridge was founded by Doctor Amos Keel in 1902. Its telescope was "
-             "ground from a single glass blank, and the first comet it found was named after his daughter.",
-}
+pytestmark = VLLM_SERVER_MARKS
+DOCS = TWO_DOCS
 QUESTIONS = ["Who is named in the document?", "What year is mentioned?", "Summarize the document.",
              "What happened first?", "Where does the story take place?", "List two facts from the text."]
 DOC_KVS: dict = {}  # doc id → its full KV (the fixture's), for the full-context reference

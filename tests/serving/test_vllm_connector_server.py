@@ -4,7 +4,6 @@ and two documents in flight at once do not leak into each other. Needs the vLLM 
 (NECTAR_VLLM_PYTHON, default ~/.cache/nectar/vllm-venv/bin/python); skipped without it."""
 from __future__ import annotations
 
-import os
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -18,18 +17,11 @@ from nectar.evaluation.vllm_equivalence import equivalence, token_ids, torch_pro
 from nectar.vllm.serve import ServedDocument, placeholder_token, state_server_spec
 from nectar.vllm.server import VLLMServer
 from nectar.vllm.state import write_state
-from nectar.vllm.venv import ensure_plugin, interpreter, venv_python
+from nectar.vllm.venv import ensure_plugin, interpreter
+from vllm_server_docs import TWO_DOCS, VLLM_SERVER_MARKS
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400), pytest.mark.skipif(
-    not os.path.exists(os.path.expanduser(os.environ.get("NECTAR_VLLM_PYTHON", str(venv_python())))),
-    reason="no vLLM environment")]
-
-DOCS = {
-    "doc-a": "The lighthouse on Varn Island was bought by Captain Ilse Brandt in 1871. Its keeper kept a "
-             "ledger of every ship, and the schooner Meridian ran aground on the northern reef with salt cod.",
-    "doc-b": "The observatory at Tarn Ridge was founded by Doctor Amos Keel in 1902. Its telescope was "
-             "ground from a single glass blank, and the first comet it found was named after his daughter.",
-}
+pytestmark = VLLM_SERVER_MARKS
+DOCS = TWO_DOCS
 QUESTIONS = ["Who is named in the document?", "What year is mentioned?", "Summarize the document.",
              "What happened first?"]
 M = 32  # pseudo-tokens: the exact KV of the document's LAST M tokens (plain KV; the first M are the

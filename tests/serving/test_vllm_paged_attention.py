@@ -103,7 +103,7 @@ def test_the_split_path_state_gemm_merged_with_own_slots_equals_one_pass():
     m = 7  # state slots: blocks 4 and 6 (the second one partly)
     k, v, b = _fill(kv, bias, [4, 6], m, gen, beta_slots=m)
     tables = [[4, 6, 8, 9], [4, 6, 10, 0]]
-    seq, new = [13, 10], [1, 3]
+    seq = [13, 10]  # request 0 decodes one token, request 1 a prefill chunk of 3
     for table, S in zip(tables, seq):  # each request's own tokens after the state
         slots = torch.tensor([table[p // BS] * BS + p % BS for p in range(m, S)])
         write_slots(kv, bias, torch.randn(S - m, HKV, D, generator=gen), torch.randn(S - m, HKV, D, generator=gen), slots)
