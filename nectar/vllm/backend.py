@@ -28,7 +28,7 @@ from vllm.logger import init_logger
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
-from .paged_attention import merge, paged_attention, state_attention, write_slots
+from .paged_attention import SlotPlan, merge, paged_attention, plan_slots, state_attention, write_slots
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm": its handler prints it
 
@@ -69,6 +69,40 @@ def register_document(doc: str, m: int, keys: list[torch.Tensor], values: list[t
 
 def mark_state_block(block: int, doc: str) -> None:
     BLOCKS[block] = doc
+
+
+@dataclass(frozen=True)
+class Step:
+    """What every layer of one forward step shares: computed by the first layer, reused by the others."""
+    plan: SlotPlan  # where each request's rows read their keys (from m on for a request on a document)
+    documents: dict[str, torch.Tensor]  # doc → its requests' query rows (empty: the one-pass path for all)
+
+
+_STEP: list = [None, None]  # [the metadata object the step was made for, its Step]: one entry, held so
+# the object's id cannot be reused by a later step's metadata
+
+
+def _step(meta, hkv: int, bs: int, g: int) -> Step:
+    """The step's plan, made once per metadata object (vLLM builds one per step for all layers)."""
+    if _STEP[0] is meta and (_STEP[1].plan.hkv, _STEP[1].plan.bs, _STEP[1].plan.g) == (hkv, bs, g):
+        return _STEP[1]
+    r = meta.seq_lens.shape[0]
+    docs = [BLOCKS.get(b) for b in meta.block_table[:r, 0].tolist()] if BLOCKS else [None] * r
+    if not any(docs):
+        step = Step(plan_slots(meta.query_start_loc, meta.seq_lens, meta.block_table, hkv, bs, g), {})
+    else:
+        first = torch.tensor([DOCUMENTS[doc].m if doc else 0 for doc in docs])
+        starts = meta.query_start_loc.tolist()
+        documents = {}
+        for doc in dict.fromkeys(filter(None, docs)):
+            if doc not in _ANNOUNCED:
+                _ANNOUNCED.add(doc)
+                logger.info("nectar: document %s attended by the split path (its state once per step)", doc)
+            documents[doc] = torch.cat([torch.arange(starts[i], starts[i + 1]) for i, dd in enumerate(docs) if dd == doc])
+        plan = plan_slots(meta.query_start_loc, meta.seq_lens, meta.block_table, hkv, bs, g, key_start=first)
+        step = Step(plan, documents)
+    _STEP[:] = [meta, step]
+    return step
 
 
 class NectarAttentionImpl(CPUAttentionBackendImpl):
@@ -118,22 +152,17 @@ class NectarAttentionImpl(CPUAttentionBackendImpl):
         q = query[:t].reshape(t, hq, d)
         out = output[:t].view(t, hq, d)
         bias = self.bias_store(kv_cache)
+        step = _step(attn_metadata, kv_cache.shape[1], kv_cache.shape[2], hq // kv_cache.shape[1])
         meta = attn_metadata
-        r = meta.seq_lens.shape[0]
-        docs = [BLOCKS.get(b) for b in meta.block_table[:r, 0].tolist()] if BLOCKS else [None] * r
-        if not any(docs):
-            paged_attention(q, kv_cache, bias, meta.query_start_loc, meta.seq_lens, meta.block_table, self.scale, out)
+        if not step.documents:
+            paged_attention(q, kv_cache, bias, meta.query_start_loc, meta.seq_lens, meta.block_table, self.scale, out,
+                            plan=step.plan)
             return output
-        first = torch.tensor([DOCUMENTS[doc].m if doc else 0 for doc in docs])
         own = torch.empty(t, hq, d, dtype=torch.float32)
-        lse = paged_attention(q, kv_cache, bias, meta.query_start_loc, meta.seq_lens, meta.block_table, self.scale, own,
-                              key_start=first)
-        starts = meta.query_start_loc.tolist()
-        for doc in set(filter(None, docs)):
-            if doc not in _ANNOUNCED:
-                _ANNOUNCED.add(doc)
-                logger.info("nectar: document %s attended by the split path (its state once per step)", doc)
-            rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i, dd in enumerate(docs) if dd == doc])
+        # own slots from m on: ordinary writes, β = 0, so the β store is not read (bias None)
+        lse = paged_attention(q, kv_cache, None, meta.query_start_loc, meta.seq_lens, meta.block_table, self.scale,
+                              own, plan=step.plan)
+        for doc, rows in step.documents.items():
             k, v, b = DOCUMENTS[doc].layer(self._index, q.dtype)
             st_out, st_lse = state_attention(q[rows], k, v, b, self.scale)  # [T_doc, H, d], [T_doc, H]
             own[rows], _ = merge(own[rows], lse[rows], st_out, st_lse)

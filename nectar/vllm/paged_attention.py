@@ -14,10 +14,14 @@ has no per-key bias. A document's state sits in a request's first m cache slots 
 
 A β of −inf pads heads whose budget is below the layer's widest (ragged per-head budgets). The cache
 layout is vLLM CPU's [num_blocks, hkv, 2 · block_size, d] view: per block and KV head the block's keys,
-then its values, one row per slot (``write_slots``). Imports only torch: it runs inside the vLLM
+then its values, one row per slot (``write_slots``). Where each request reads is planned once per
+step (``plan_slots``: the cache rows to copy and the causal mask) and reused by every layer; a layer
+copies its rows with one ``index_select`` straight into the flash kernel's layout. Imports only torch: it runs inside the vLLM
 server's environment and is tested against dense attention in this project's.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -48,71 +52,112 @@ def write_slots(kv_cache: torch.Tensor, bias: torch.Tensor, key: torch.Tensor, v
     bias[slots] = 0.0 if beta is None else beta[:t][keep].to(bias.dtype)
 
 
-def _gather(keys, values, bias, table: torch.Tensor, first: torch.Tensor, stop: torch.Tensor):
-    """Slots first[r] … stop[r]−1 of each request (block table rows [r, max blocks]) →
-    k, v [r, L, hkv, d], b [r, L, hkv], visible [r, L] (L = the longest span; shorter ones padded)."""
-    bs = keys.shape[2]
+@dataclass(frozen=True)
+class Span:
+    """Where a group of query rows reads its keys: built once per step, used by every layer.
+
+    rows     [r·Q] the query rows (tokens) of the group, request-major
+    kv_rows  [2, r, hkv, L] rows of the cache viewed as [nb · hkv · 2bs, d]: keys, then values
+    slots    [r, L] the slots (for the β store)
+    mask     [r, 1, Q·g, L] float32: 0 where visible, −inf elsewhere (padding, the future)
+    """
+    rows: torch.Tensor
+    kv_rows: torch.Tensor
+    slots: torch.Tensor
+    mask: torch.Tensor
+    queries: int  # Q: query tokens per request (1 for decode rows)
+
+
+@dataclass(frozen=True)
+class SlotPlan:
+    """A step's spans for a cache of hkv KV heads, blocks of bs slots and g query heads per KV head."""
+    spans: tuple[Span, ...]
+    hkv: int
+    bs: int
+    g: int
+
+
+def _span(table: torch.Tensor, first: torch.Tensor, stop: torch.Tensor, rows: torch.Tensor, queries: int,
+          hkv: int, bs: int, g: int) -> Span:
+    """Requests reading slots first[r] … stop[r]−1 (block table rows [r, max blocks]), the last ``queries``
+    of them new: key/value rows, slots and the causal mask, the span padded to its longest request."""
     L = int((stop - first).max())
     j = first.unsqueeze(1) + torch.arange(L).unsqueeze(0)  # [r, L] slot index within the request
     visible = j < stop.unsqueeze(1)
     j = torch.where(visible, j, first.unsqueeze(1))  # padding reads a real slot, then is masked
     blk = table.long().gather(1, j // bs)  # [r, L]
     off = j % bs
-    b = bias.view(-1, bs, bias.shape[1])[blk, off]  # [r, L, hkv]
-    return keys[blk, :, off], values[blk, :, off], b, visible  # advanced indices first: [r, L, hkv, d]
+    head = torch.arange(hkv).view(1, hkv, 1)
+    key_rows = (blk.unsqueeze(1) * hkv + head) * (2 * bs) + off.unsqueeze(1)  # [r, hkv, L]
+    pos = stop.unsqueeze(1) - queries + torch.arange(queries).unsqueeze(0)  # [r, Q] each new token's slot
+    seen = visible.unsqueeze(1) & (j.unsqueeze(1) <= pos.unsqueeze(2))  # [r, Q, L] causal
+    mask = torch.zeros(seen.shape).masked_fill_(~seen, NEG_INF)
+    mask = mask.unsqueeze(1).expand(-1, g, -1, -1).reshape(-1, 1, g * queries, L)  # rows ordered (g, Q)
+    return Span(rows, torch.stack([key_rows, key_rows + bs]), blk * bs + off, mask, queries)
+
+
+def plan_slots(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, hkv: int,
+               bs: int, g: int, key_start: torch.Tensor | None = None) -> SlotPlan:
+    """Decode rows (one new token) as one batch; each longer request (a prefill chunk) on its own."""
+    starts = query_start_loc.long()
+    lens = starts[1:] - starts[:-1]  # [r] new tokens per request
+    seq = seq_lens.long()
+    first = torch.zeros_like(seq) if key_start is None else key_start.long()
+    spans = []
+    decode = torch.nonzero(lens == 1).flatten()
+    if decode.numel():
+        spans.append(_span(block_table[decode], first[decode], seq[decode], starts[decode], 1, hkv, bs, g))
+    for r in torch.nonzero(lens > 1).flatten().tolist():
+        rows = torch.arange(int(starts[r]), int(starts[r + 1]))
+        spans.append(_span(block_table[r:r + 1], first[r:r + 1], seq[r:r + 1], rows, int(lens[r]), hkv, bs, g))
+    return SlotPlan(tuple(spans), hkv, bs, g)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, logit_bias: torch.Tensor,
             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [r, hkv, Q, d], k/v [r, hkv, S, d], logit_bias [r, hkv, Q | 1, S] (−inf: invisible; every row sees
-    at least one key) → out [r, hkv, Q, d], lse [r, hkv, Q] (float32). One call of torch's CPU flash kernel,
-    which takes the bias as an additive mask and returns the log-sum-exp, in q's dtype: float32 agrees with
-    the plain softmax to ~1e-6; bf16 (a bf16 server's state) to ~2e-3, 8× faster than the unfused math."""
+    """q [r, hkv, Q, d], k/v [r, hkv, S, d], logit_bias [r, hkv | 1, Q | 1, S] float32 (−inf: invisible; every
+    row sees at least one key) → out [r, hkv, Q, d], lse [r, hkv, Q] (float32). One call of torch's CPU flash
+    kernel, which takes the bias as an additive mask (kept in float32: a bf16 mask would round β) and returns
+    the log-sum-exp; the matmuls in q's dtype: float32 agrees with the plain softmax to ~1e-6, bf16 (a bf16
+    server) to ~1e-2, 8× faster than the unfused math."""
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k.to(q.dtype), v.to(q.dtype), 0.0, False, attn_mask=logit_bias.to(q.dtype), scale=scale)[:2]
+        q, k.to(q.dtype), v.to(q.dtype), 0.0, False, attn_mask=logit_bias.float(), scale=scale)[:2]
     return out.float(), lse.float()
 
 
-def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, bias: torch.Tensor, query_start_loc: torch.Tensor,
-                    seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float, out: torch.Tensor,
-                    key_start: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of every request's new tokens over its cached slots key_start … S−1, β added; the
-    output is written into out, the log-sum-exp returned.
+def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, bias: torch.Tensor | None,
+                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float,
+                    out: torch.Tensor, key_start: torch.Tensor | None = None,
+                    plan: SlotPlan | None = None) -> torch.Tensor:
+    """Causal attention of every request's new tokens over its cached slots key_start … S−1, β added (bias
+    None: every slot's β is 0 — a request's own tokens); the output is written into out, the log-sum-exp
+    returned.
 
     query/out [T, H, d]; kv_cache [nb, hkv, bs, 2d]; bias [nb · bs, hkv]; query_start_loc [r + 1];
     seq_lens [r] (cached + new tokens); block_table [r, max blocks]; key_start [r] (default 0). The new
-    tokens of a request are its last L slots: token i sees slots j ≤ S − L + i. Decode rows (L = 1) run
-    as one batch, longer ones (prefill chunks) one request at a time. Float32; returns lse [T, H]."""
-    keys, values = split_cache(kv_cache)
-    hkv, d = keys.shape[1], keys.shape[3]
-    T, H, _ = query.shape
+    tokens of a request are its last L slots: token i sees slots j ≤ S − L + i. plan: the step's
+    ``plan_slots`` of these arguments (made here when absent; the backend makes it once per step for all
+    layers). The matmuls run in the cache's dtype; returns lse [T, H] float32."""
+    nb, hkv, bs, _ = kv_cache.shape
+    T, H, d = query.shape
     g = H // hkv
-    starts = query_start_loc.long()
-    lens = (starts[1:] - starts[:-1])  # [r] new tokens per request
-    seq = seq_lens.long()
-    first = torch.zeros_like(seq) if key_start is None else key_start.long()
+    if plan is None:
+        plan = plan_slots(query_start_loc, seq_lens, block_table, hkv, bs, g, key_start)
+    if (plan.hkv, plan.bs, plan.g) != (hkv, bs, g):
+        raise ValueError(f"a step plan for hkv, bs, g = {plan.hkv, plan.bs, plan.g} used on a cache of {hkv, bs, g}")
+    flat = kv_cache.view(-1, d)  # [nb · hkv · 2bs, d]: vLLM's allocation is contiguous
     lse_out = torch.empty(T, H, dtype=torch.float32)
-    rows = torch.nonzero(lens == 1).flatten()
-    if rows.numel():
-        k, v, b, visible = _gather(keys, values, bias, block_table[rows], first[rows], seq[rows])
-        bias_rows = b.float().masked_fill(~visible.unsqueeze(-1), NEG_INF).permute(0, 2, 1).unsqueeze(2)  # [r,hkv,1,L]
-        tok = starts[rows]
-        q = query[tok].float().view(-1, hkv, g, d)  # [r, hkv, g, d]
-        o, lse = _attend(q, k.float().transpose(1, 2), v.float().transpose(1, 2), bias_rows, scale)
-        out[tok] = o.reshape(-1, H, d).to(out.dtype)
-        lse_out[tok] = lse.reshape(-1, H)
-    for r in torch.nonzero(lens > 1).flatten().tolist():
-        s0, L, S = int(starts[r]), int(lens[r]), int(seq[r])
-        k, v, b, _ = _gather(keys, values, bias, block_table[r:r + 1], first[r:r + 1], seq[r:r + 1])
-        span = S - int(first[r])
-        q = query[s0:s0 + L].float().view(L, hkv, g, d).permute(1, 2, 0, 3).reshape(1, hkv, g * L, d)
-        pos = torch.arange(S - L, S).repeat(g)  # [g·L] absolute position of each query row
-        causal = torch.arange(int(first[r]), S).unsqueeze(0) <= pos.unsqueeze(1)  # [g·L, span]
-        logit_bias = b[:, :span].float().permute(0, 2, 1).unsqueeze(2).masked_fill(~causal, NEG_INF)
-        o, lse = _attend(q, k[:, :span].float().transpose(1, 2), v[:, :span].float().transpose(1, 2), logit_bias,
-                         scale)  # [1, hkv, g·L, d]
-        out[s0:s0 + L] = o.view(hkv, g, L, d).permute(2, 0, 1, 3).reshape(L, H, d).to(out.dtype)
-        lse_out[s0:s0 + L] = lse.view(hkv, g, L).permute(2, 0, 1).reshape(L, H)
+    for span in plan.spans:
+        r, L, Q = span.slots.shape[0], span.slots.shape[1], span.queries
+        kv = flat.index_select(0, span.kv_rows.flatten()).view(2, r, hkv, L, d)  # one copy, flash's layout
+        logit_bias = span.mask
+        if bias is not None:
+            b = bias.index_select(0, span.slots.flatten()).view(r, L, hkv).permute(0, 2, 1).unsqueeze(2)
+            logit_bias = logit_bias + b  # [r, hkv, Q·g, L]
+        q = query[span.rows].to(kv.dtype).view(r, Q, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(r, hkv, g * Q, d)
+        o, lse = _attend(q, kv[0], kv[1], logit_bias, scale)  # [r, hkv, g·Q, d], [r, hkv, g·Q]
+        out[span.rows] = o.view(r, hkv, g, Q, d).permute(0, 3, 1, 2, 4).reshape(r * Q, H, d).to(out.dtype)
+        lse_out[span.rows] = lse.view(r, hkv, g, Q).permute(0, 3, 1, 2).reshape(r * Q, H)
     return lse_out
 
 

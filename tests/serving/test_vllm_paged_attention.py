@@ -3,9 +3,10 @@ attention over each request's own slots: decode and prefill rows in one batch, G
 −inf β (ragged heads), shared blocks, and the β store reset by ordinary writes."""
 from __future__ import annotations
 
+import pytest
 import torch
 
-from nectar.vllm.paged_attention import merge, paged_attention, split_cache, state_attention, write_slots
+from nectar.vllm.paged_attention import merge, paged_attention, plan_slots, split_cache, state_attention, write_slots
 
 NB, HKV, BS, D, G = 12, 2, 4, 8, 3
 SCALE = D ** -0.5
@@ -130,3 +131,28 @@ def test_a_bf16_state_attends_within_bf16_rounding_of_float32():
     assert got.dtype == torch.float32 and got_lse.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=0, atol=3e-2)
     torch.testing.assert_close(got_lse, want_lse, rtol=0, atol=3e-2)
+
+
+def test_one_step_plan_serves_every_layer_and_no_bias_means_zero_bias():
+    """The backend plans a step's gathers once (``plan_slots``) and every layer reuses it: two layers' caches
+    through one plan give what each gives planned on its own; bias None (own slots) is a zero β store."""
+    gen = torch.Generator().manual_seed(5)
+    tables = [[3, 7, 1], [0, 5]]
+    seq, starts = torch.tensor([10, 6]), torch.tensor([0, 1, 5])  # a decode row and a prefill chunk of 4
+    table = torch.tensor([t + [0] * (3 - len(t)) for t in tables], dtype=torch.int32)
+    plan = plan_slots(starts, seq, table, HKV, BS, G)
+    q = torch.randn(5, HKV * G, D, generator=gen)
+    for _layer in range(2):
+        kv, bias = _cache()
+        for t, S in zip(tables, seq.tolist()):
+            _fill(kv, bias, t, S, gen)  # β = 0 everywhere
+        planned, alone, unbiased = (torch.full_like(q, float("nan")) for _ in range(3))
+        lse_planned = paged_attention(q, kv, bias, starts, seq, table, SCALE, planned, plan=plan)
+        lse_alone = paged_attention(q, kv, bias, starts, seq, table, SCALE, alone)
+        paged_attention(q, kv, None, starts, seq, table, SCALE, unbiased, plan=plan)
+        torch.testing.assert_close(planned, alone, rtol=0, atol=0)
+        torch.testing.assert_close(lse_planned, lse_alone, rtol=0, atol=0)
+        torch.testing.assert_close(unbiased, alone, rtol=0, atol=0)
+    other = plan_slots(starts, seq, table, HKV, 2 * BS, G)  # a plan for another block size is refused
+    with pytest.raises(ValueError, match="step plan"):
+        paged_attention(q, kv, bias, starts, seq, table, SCALE, planned, plan=other)
