@@ -115,10 +115,12 @@ def served_row(ctx: RunContext, base, doc_kv, probes: list[EvalPair], job: Job,
                              doc.doc_id, TOP_K, seed=ctx.config.evaluate.seed)
         score_s = time.perf_counter() - t0
         facts = {**fid.as_dict(), "source": doc.state_path, "state": state.source, "m": doc.m, "bias": doc.bias,
+                 "bytes": os.path.getsize(state.path),
                  "vllm": server.version, "dtype": opts.dtype, "start_s": server.startup_s,
                  "export_s": round(export_s, 1), "score_s": round(score_s, 1), "kl_basis": basis()}
     log(f"{job.key}: {fid.line()}")
-    row = ComparisonRow(system=job.system.name, kind="served", rho=job.rho, state_bytes=os.path.getsize(state.path),
+    # its bytes: the file vLLM loads (codes decoded to float: as vLLM holds the pairs), not the stored state's
+    row = ComparisonRow(system=job.system.name, kind="served", rho=job.rho, state_bytes=facts["bytes"],
                         split=SPLIT, n_pairs=fid.pairs, n_tokens=fid.tokens, kl_to_full=fid.kl_vllm.value,
                         kl_ci_low=fid.kl_vllm.low, kl_ci_high=fid.kl_vllm.high,
                         recovered_kl=fid.recovered_vllm.value, recovered_kl_ci_low=fid.recovered_vllm.low,

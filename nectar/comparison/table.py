@@ -134,7 +134,8 @@ def served_markdown(served: dict[str, dict[str, Any]]) -> str:
     for key, f in done.items():
         est = {k: Estimate(*f[k], f["pairs"]) for k in ("recovered_vllm", "recovered_torch", "recovered_torch_exact",
                                                          "kl_torch_vllm")}
-        state = f"{f['state']}, m={f['m']}{', β (NECTAR backend)' if f['bias'] else ''}, vLLM {f.get('vllm') or '?'}"
+        state = (f"{f['state']}, m={f['m']}{', β (NECTAR backend)' if f['bias'] else ''}, "
+                 f"{f['bytes'] / 1e6:.2f} MB as vLLM loads it, vLLM {f.get('vllm') or '?'}")
         lines.append(f"| {key} | {state} | {f['pairs']} | {f['tokens']} | {est['recovered_vllm'].fmt(1, 100)} | "
                      f"{est['recovered_torch'].fmt(1, 100)} | {est['recovered_torch_exact'].fmt(1, 100)} | "
                      f"{est['kl_torch_vllm'].fmt(6)} |")

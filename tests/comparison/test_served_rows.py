@@ -96,7 +96,7 @@ def test_a_served_row_whose_server_fails_is_left_out_in_one_line(monkeypatch, ca
     assert "no held-out probes" in notes["served"]["vllm:trained@0.1"]["error"]
 
 
-SERVED_NOTE = {"pairs": 51, "tokens": 1445, "top_k": 100, "state": "trained", "m": 412, "bias": True,
+SERVED_NOTE = {"pairs": 51, "tokens": 1445, "top_k": 100, "state": "trained", "m": 412, "bias": True, "bytes": 4_843_216,
                "vllm": "0.32.0", "recovered_vllm": [0.4123, 0.35, 0.47], "recovered_torch": [0.4125, 0.351, 0.471],
                "recovered_torch_exact": [0.45, 0.39, 0.51], "kl_torch_vllm": [2e-6, 1e-6, 3e-6],
                "kl_vllm": [0.8, 0.7, 0.9]}
@@ -122,7 +122,47 @@ def test_served_rows_are_kept_out_of_the_full_vocabulary_tables_and_shown_with_t
                                "vllm:attention_matching_kv@int4@0.1": {"error": "no vLLM environment at /x"}})
     assert "## Served by vLLM: probe KL over vLLM's top-100 buckets" in section
     assert "not comparable with the tables above" in section
-    assert ("| vllm:trained@0.1 | trained, m=412, β (NECTAR backend), vLLM 0.32.0 | 51 | 1445 | 41.2 [35.0, 47.0] | "
+    assert ("| vllm:trained@0.1 | trained, m=412, β (NECTAR backend), 4.84 MB as vLLM loads it, vLLM 0.32.0 | 51 | 1445 | 41.2 [35.0, 47.0] | "
             "41.2 [35.1, 47.1] | 45.0 [39.0, 51.0] | 0.000002 [0.000001, 0.000003] |") in section
     assert "- vllm:attention_matching_kv@int4@0.1: left out: no vLLM environment at /x" in section
     assert served_markdown({}) == ""
+
+
+def test_the_measured_server_is_stopped_on_an_error_and_on_a_stop_signal_and_when_forced_out(monkeypatch):
+    """``measured_server`` (the compare's and the benchmark's one server block): ``stop()`` (its process group)
+    on leaving the block however it is left, and registered with nectar.shutdown meanwhile, so a forced exit
+    (``os._exit``: no atexit) stops it too."""
+    from nectar import shutdown
+    from nectar.serving.engines import vllm as engine
+
+    events = []
+
+    class FakeServer:
+        def __init__(self, spec, log_path, python, startup_timeout_s):
+            events.append(("new", python))
+
+        def start(self):
+            events.append("start")
+
+        def stop(self, grace_s=20.0):
+            events.append(("stop", grace_s))
+
+    monkeypatch.setattr(engine, "prepare", lambda dirs, opts, log: ("spec", "/tmp/x/server.log", ["doc"]))
+    monkeypatch.setattr(engine, "ensure_plugin", lambda python: events.append("plugin"))
+    monkeypatch.setattr(engine, "VLLMServer", FakeServer)
+    opts = engine.VLLMOptions(python="/venv/bin/python")
+    for raised in (OSError("connection refused"), shutdown.Interrupted()):
+        events.clear()
+        with pytest.raises(type(raised)):
+            with engine.measured_server("run", opts) as (server, spec, doc):
+                assert (spec, doc) == ("spec", "doc")
+                registered = list(shutdown._S.cleanups)
+                assert any("vLLM server (/tmp/x/server.log)" == name for _, name, _ in registered)
+                raise raised
+        assert events == ["plugin", ("new", "/venv/bin/python"), "start", ("stop", 20.0)]
+        assert not any("vLLM server" in name for _, name, _ in shutdown._S.cleanups)  # removed once stopped
+    events.clear()
+    with engine.measured_server("run", opts):
+        cleanup = next(fn for _, name, fn in shutdown._S.cleanups if name.startswith("vLLM server"))
+        cleanup(True)  # what a forced exit runs: the server stopped without waiting
+    assert ("stop", 0.0) in events
