@@ -23,13 +23,11 @@ from nectar.evaluation.selection import select_pairs
 from nectar.evaluation.vllm_equivalence import equivalence_ids, probe_fidelity
 from nectar.orchestration.context import load_base, load_run_doc_kv, open_run
 from nectar.schemas.artifacts import TargetsPairRow
-from nectar.serving.engines.vllm import VLLMOptions, prepare
+from nectar.serving.engines.vllm import VLLMOptions, measured_server
 from nectar.tables import read_table
 from nectar.targets.store import open_targets, targets_zarr_url
 from nectar.vllm.serve import placeholder_token
 from nectar.shutdown import handling_signals
-from nectar.vllm.server import VLLMServer
-from nectar.vllm.venv import ensure_plugin, interpreter
 
 
 def probe_pairs(ctx, cfg):
@@ -41,18 +39,11 @@ def probe_pairs(ctx, cfg):
 
 
 def measure(run_dir: str, source: str, args, base, doc_kv, pairs, log) -> dict:
-    spec, log_path, docs = prepare([run_dir], VLLMOptions(port=0, dtype="float32", enforce_eager=True, source=source,
-                                                          max_logprobs=args.top_k, max_model_len=args.max_model_len),
-                                   log)
-    doc = docs[0]
-    python = interpreter(build=False)
-    ensure_plugin(python)  # β states need its backend; every state server its prompt log-probs
-    server = VLLMServer(spec, log_path, python=python, startup_timeout_s=1800)
+    opts = VLLMOptions(port=0, dtype="float32", enforce_eager=True, source=source, max_logprobs=args.top_k,
+                       max_model_len=args.max_model_len, startup_timeout_s=1800)
     load0 = os.getloadavg()[0]
-    t0 = time.perf_counter()
-    server.start()
-    row = {"source": source, "m": doc.m, "bias": doc.bias, "start_s": round(time.perf_counter() - t0, 1)}
-    try:
+    with measured_server(run_dir, opts, log) as (server, spec, doc):
+        row = {"source": source, "m": doc.m, "bias": doc.bias, "start_s": server.startup_s}
         pid, _ = placeholder_token(base.tokenizer)
         prompts = [list(p.ids[:p.response_start]) for p in pairs[:args.prompts]]
         t0 = time.perf_counter()
@@ -66,15 +57,8 @@ def measure(run_dir: str, source: str, args, base, doc_kv, pairs, log) -> dict:
         t0 = time.perf_counter()
         fid = probe_fidelity(base, doc_kv, doc.state_path, server.root_url, spec.served_name, pairs, pid, doc.doc_id,
                              args.top_k)
-        row["probes"] = {"line": fid.line(), "pairs": fid.pairs, "tokens": fid.tokens,
-                         **{k: [e.value, e.low, e.high] for k, e in (
-                             ("recovered_vllm", fid.recovered_vllm), ("recovered_torch", fid.recovered_torch),
-                             ("recovered_torch_exact", fid.recovered_torch_exact),
-                             ("kl_torch_vllm", fid.kl_torch_vllm))},
-                         "s": round(time.perf_counter() - t0, 1)}
+        row["probes"] = {**fid.as_dict(), "s": round(time.perf_counter() - t0, 1)}
         log(f"  probes: {fid.line()}")
-    finally:
-        server.stop()
     row["loadavg_1m"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
     return row
 
@@ -107,5 +91,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    with handling_signals():  # SIGTERM/Ctrl-C raise, so each server's `finally: server.stop()` runs
+    with handling_signals():  # SIGTERM/Ctrl-C raise, so each measured_server block stops its server
         main()

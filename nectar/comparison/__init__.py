@@ -1,11 +1,13 @@
 """``nectar compare``: every system at equal bytes on one run's held-out pairs (docs/design.md §11).
 
-systems.py        the registry of systems (reference, trained regimes, closed-form methods, kvpress presses)
+systems.py        the registry of systems (reference, trained regimes, closed-form methods, kvpress presses,
+                  served states)
 inputs.py         the run directory and budgets a compare is given, one-line errors
 jobs.py           one job per (system, budget); the trained systems' train stages
 variants.py       variant run directories (RUN/sweep/<name>/) sharing the parent's data stages
 obtain.py         each job's state: reference, trained module, the run's own states, a fitted method
 kvpress_rows.py   kvpress's presses scored in their own venv
+served_rows.py    the run's state as vLLM serves it (vllm:…), scored through a vLLM server on the probes
 time_to_state.py  seconds from the document to each usable state
 differences.py    paired differences to the best press and to a refined state's start
 outputs.py        comparison.parquet, comparison.md, info.json and the figures

@@ -407,6 +407,9 @@ def plan_systems(systems: list[str] | None, positions: list[str] | None) -> tupl
     if own:
         chosen.append(System("module", "trained", "each run's trained module", regime="recon_fit"))
     for s in chosen:
+        if s.kind == "served":
+            raise CompareInputError(f"system {s.name}: a composition is not served by vLLM; compare each run "
+                                    f"alone (`nectar compare RUN --systems {s.name}`)")
         if s.kind == "trained" and s.name != "module":
             raise CompareInputError(f"system {s.name}: composing trains nothing; compose each run's own module "
                                     "(`module`), a baseline (recon_fit@int4) or a kvpress press")

@@ -14,6 +14,7 @@ from ..schemas.config import PipelineConfig
 from ..schemas.presets import ConfigError
 from ..targets.store import open_targets, targets_zarr_url
 from .inputs import CompareInputError
+from .served_rows import check_served
 from .systems import RUN_STATES, System, resolve, run_states, trained_config
 from .variants import variant_for
 
@@ -61,6 +62,7 @@ def validate(ctx: RunContext, systems: list[str] | None = None,
         chosen = resolve(systems)
     except ConfigError as exc:
         raise CompareInputError(str(exc)) from None
+    check_served(ctx, chosen)
     budgets = list(dict.fromkeys([ctx.config.train.module.rho, *(rhos or [])]))
     dims = dims_of(ctx)
     for rho in budgets:
@@ -87,7 +89,7 @@ def plan_jobs(ctx: RunContext, systems: list[str] | None = None, rhos: list[floa
             if s.kind == "trained":  # baselines and kvpress presses: one job per budget
                 config = trained_config(ctx.config, s, rho)
                 jobs.append(Job(s, rho, config, variant_for(ctx, f"{s.name}_rho-{rho:g}", config)))
-            elif s.kind == "run":  # made by the pipeline at the run's ρ only
+            elif s.kind in ("run", "served"):  # made by the pipeline (served: exported from it) at the run's ρ only
                 if rho == ctx.config.train.module.rho:
                     jobs.append(Job(s, rho, ctx.config, ctx))
             else:

@@ -13,7 +13,7 @@ from ..schemas.artifacts import ComparisonRow
 from ..storage import atomic_write
 from ..tables import write_table
 from .jobs import Job
-from .table import comparison_markdown, differences_markdown
+from .table import comparison_markdown, differences_markdown, served_markdown
 from .obtain import Obtained
 
 
@@ -70,13 +70,14 @@ def write_outputs(run: RunDir, rows: list[ComparisonRow], facts: dict[str, Any],
     else:
         out = run.makedirs("compare")
     data = [r.model_dump(exclude={"schema_version"}) for r in rows]
-    png = frontier(data)
+    png = frontier([r for r in data if not r.get("kl_basis")])  # served rows: KL over other buckets
     files = ["comparison.parquet", "comparison.md", "info.json"]
     if png is not None:
         atomic_write(f"{out}/frontier.png", png)
         files.append("frontier.png")
     md = comparison_markdown(data, facts, "frontier.png" if png is not None else None)
     md += differences_markdown((notes or {}).get("differences", []))
+    md += served_markdown((notes or {}).get("served", {}))
     heat = allocation_heatmap(allocation or {})
     if heat is not None:  # where one budget across layers and heads put the bytes
         atomic_write(f"{out}/allocation.png", heat)

@@ -10,7 +10,9 @@
   4. score  every provider on every held-out pair in one pass (evaluation/scoring.py: the full and
             no-document passes and the full model's continuations are shared by all systems), with
             one paired bootstrap over pairs per split; kvpress presses (``kvpress:<press>``) are
-            scored on the same pairs in kvpress's own venv (nectar/kvpress/) and join the bootstrap
+            scored on the same pairs in kvpress's own venv (nectar/kvpress/) and join the bootstrap;
+            served states (``vllm:…``) through a vLLM server each, on the probes, over vLLM's top-k buckets
+            (comparison/served_rows.py)
   5. write  RUN/compare/comparison.parquet (ComparisonRow), comparison.md, frontier.png, info.json
 """
 from __future__ import annotations
@@ -35,6 +37,7 @@ from .jobs import Job, dims_of, plan_jobs, refresh_targets, train_missing
 from .kvpress_rows import score_kvpress
 from .obtain import Obtained, obtain
 from .outputs import CompareResult, allocations, comparison_rows, write_outputs
+from .served_rows import score_served
 from .time_to_state import data_stage_seconds, prefill_seconds, state_seconds
 
 
@@ -66,6 +69,8 @@ def score_and_write(ctx: RunContext, jobs: list[Job], progress: ProgressFactory 
     dims = dims_of(ctx)
     t0 = time.perf_counter()
     fit_bar = bar("compare:fit")
+    served_jobs = [j for j in jobs if j.system.kind == "served"]  # scored through vLLM, after the others
+    jobs = [j for j in jobs if j.system.kind != "served"]
     obtained: dict[str, Obtained] = {}
     for i, job in enumerate(jobs):
         obtained[job.key] = obtain(job, ctx, base, doc_kv, dims)
@@ -108,6 +113,10 @@ def score_and_write(ctx: RunContext, jobs: list[Job], progress: ProgressFactory 
     for job in jobs:
         obtained[job.key].state_seconds = state_seconds(job, obtained[job.key], data_s, prefill_s)
     rows = comparison_rows(jobs, obtained, quality)
+    t0 = time.perf_counter()
+    rows += score_served(ctx, base, doc_kv, sel.pairs, served_jobs, notes)
+    if served_jobs:
+        timings["served_s"] = time.perf_counter() - t0
     timings["total_s"] = sum(v for k, v in timings.items() if k != "total_s")
     facts = {"run": ctx.run.root, "document": ctx.info.source_uri, "model": base.name, "n": layout.n,
              "kv_bytes": doc_kv.nbytes(), "kv_dtype": str(doc_kv.keys[0].dtype).removeprefix("torch."),

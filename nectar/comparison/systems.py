@@ -20,6 +20,13 @@
              (nectar/states/kvpress_press.py), run in its own venv on the same token ids
              (nectar/kvpress/), keeping the entries whose stored bytes are ρ of the document KV.
              Asked for by name only (``kvpress:all`` = every press that runs offline).
+  served     the run's state as vLLM serves it (``vllm:trained``: the trained module, β and ragged budgets
+             through NECTAR's attention backend; ``vllm:attention_matching_kv@int4``: the β-free refit any
+             vLLM serves): exported (nectar/serving/engines/vllm_export.py), served by a vLLM server started
+             and stopped here, and scored on the held-out probes through vLLM's prompt_logprobs — over
+             coarse buckets (vLLM's top k and the rest of the vocabulary), so its row is a figure of its own
+             basis (``ComparisonRow.kl_basis``), shown in a section of its own beside the torch engine's
+             figure for the same state on the same buckets (comparison/served_rows.py). Opt-in, at the run's ρ.
 
 Old names (``recon_fit_qa@int4``, …) are read as their new ones (nectar/schemas/renamed.py).
 
@@ -40,7 +47,7 @@ from ..states.kvpress_press import PREFIX as KVPRESS_PREFIX
 from ..states import StateMethod, get_method
 from ..states.kvpress_press import KvpressPress, PressNameError
 
-Kind = Literal["reference", "trained", "method", "kvpress", "run"]  # "baseline": read as "method"
+Kind = Literal["reference", "trained", "method", "kvpress", "run", "served"]  # "baseline": read as "method"
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,7 @@ class System:
     options: dict[str, Any] = field(default_factory=dict)  # method: its method's settings (recon_fit: select's)
     default: bool = True  # in a compare without --systems (opt-in: ablations, systems that train extra variants)
     refines: str | None = None  # trained: the closed-form system it starts from (compare: paired Δ to it)
+    served: str | None = None  # served: the state exported for vLLM (``nectar serve --engine vllm --state``)
 
     def __post_init__(self) -> None:
         if self.kind == "baseline":  # the old name of "method" (a System registered by code written before)
@@ -66,6 +74,10 @@ class System:
             raise ValueError(f"kvpress system {self.name!r} needs a press")
         if self.kind == "method" and not self.method:
             raise ValueError(f"method system {self.name!r} needs the name of its state method")
+        if (self.kind == "served") != (self.served is not None):
+            raise ValueError(f"system {self.name!r}: a served system, and only one, names the state it serves")
+        if self.kind == "served" and self.default:
+            raise ValueError(f"served system {self.name!r} starts a vLLM server: opt-in only (default=False)")
         if self.refines is not None and self.kind != "trained":
             raise ValueError(f"system {self.name!r}: only a trained system refines another")
         if self.regime is not None and self.regime not in REGIMES:
@@ -216,6 +228,19 @@ for _bits in (8, 4):
     register(System(f"attention_matching_kv@int{_bits}", "method", f"{SYSTEMS['attention_matching_kv'].description}, "
                     f"stored at int{_bits} (fp16 scale and zero per 64 values), as many pairs as the bytes buy",
                     method="attention_matching_kv", bits=_bits, default=False))
+
+
+# The run's state as vLLM serves it (issue 41): the trained module through NECTAR's attention backend, and the
+# β-free refit at int8/int4 (the named fallback, ``nectar serve --engine vllm --state attention_matching_kv@int4``).
+# Opt-in: each starts a vLLM server (its own venv, `nectar llm setup`) for its row.
+SERVED_PREFIX = "vllm:"
+register(System(f"{SERVED_PREFIX}trained", "served", "this run's trained module as vLLM serves it (β and ragged "
+                "budgets through NECTAR's attention backend), probe KL over vLLM's top-k buckets", served="trained",
+                default=False))
+for _bits in (8, 4):
+    register(System(f"{SERVED_PREFIX}attention_matching_kv@int{_bits}", "served", f"attention_matching_kv@int{_bits} "
+                    "at the run's ρ as vLLM serves it (plain KV, no plugin needed), probe KL over vLLM's top-k "
+                    "buckets", served=f"attention_matching_kv@int{_bits}", default=False))
 
 
 # The run's own states (issue 39): compared in every ``nectar compare RUN`` that has them, with the time the

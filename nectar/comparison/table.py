@@ -83,6 +83,7 @@ def comparison_markdown(rows: Sequence[dict[str, Any]], facts: dict[str, Any], f
     md = ["# Equal-bytes comparison\n",
           " · ".join(f"**{k}** {v}" for k, v in facts.items() if k != "kv_bytes")
           + (f" · **document KV cache** {kv / 1e6:.2f} MB" if kv else "") + "\n", HOW_TO_READ]
+    rows = [r for r in rows if not r.get("kl_basis")]  # served rows: KL over other buckets (served_markdown)
     for split in sorted({r["split"] for r in rows}, key=lambda s: (SPLIT_ORDER.get(s, 9), s)):
         sel = [r for r in rows if r["split"] == split]
         first = sel[0]
@@ -109,4 +110,34 @@ def differences_markdown(differences: list[dict[str, Any]]) -> str:
         est = Estimate(d["delta_recovered_kl"], d["low"], d["high"], d["n_pairs"])
         lines.append(f"| {d['split']} | {d['system']} | {d['reference']} | {d['n_pairs']} | "
                      f"{est.fmt(1, 100)} |")
+    return "\n".join(lines) + "\n"
+
+
+def served_markdown(served: dict[str, dict[str, Any]]) -> str:
+    """The served rows (``vllm:…``, notes['served']) as a section of comparison.md: the probe KL recovered
+    through vLLM beside the torch engine's for the same state file on the same coarse buckets, and the torch
+    engine's full-vocabulary figure ('' when no served system was asked for)."""
+    if not served:
+        return ""
+    done = {k: v for k, v in served.items() if "error" not in v}
+    top_k = sorted({v["top_k"] for v in done.values()}) or ["k"]
+    lines = ["", "", f"## Served by vLLM: probe KL over vLLM's top-{', '.join(map(str, top_k))} buckets", "",
+             "vLLM returns only its top k log-probabilities per position, so these KLs are taken over k + 1 "
+             "buckets (those k tokens, the rest of the vocabulary as one): a lower bound of the full-vocabulary "
+             "KL, **not comparable with the tables above**. What serving changes is the gap between the state "
+             "through vLLM and the same state file through the torch engine on the same buckets; the torch "
+             "engine's full-vocabulary figure is the one comparable with the tables above. KL recovered = "
+             "1 − KL / KL(none) on the same buckets; 95 % paired bootstrap intervals over the probes.", "",
+             "| system | state | pairs | tokens | KL recovered through vLLM, % [95% CI] | torch engine, same "
+             "buckets, % | torch engine, full vocabulary, % | KL(torch ‖ vLLM), nats/token |",
+             "|---|---|---|---|---|---|---|---|"]
+    for key, f in done.items():
+        est = {k: Estimate(*f[k], f["pairs"]) for k in ("recovered_vllm", "recovered_torch", "recovered_torch_exact",
+                                                         "kl_torch_vllm")}
+        state = (f"{f['state']}, m={f['m']}{', β (NECTAR backend)' if f['bias'] else ''}, "
+                 f"{f['bytes'] / 1e6:.2f} MB as vLLM loads it, vLLM {f.get('vllm') or '?'}")
+        lines.append(f"| {key} | {state} | {f['pairs']} | {f['tokens']} | {est['recovered_vllm'].fmt(1, 100)} | "
+                     f"{est['recovered_torch'].fmt(1, 100)} | {est['recovered_torch_exact'].fmt(1, 100)} | "
+                     f"{est['kl_torch_vllm'].fmt(6)} |")
+    lines += [f"- {key}: left out: {v['error']}" for key, v in served.items() if "error" in v]
     return "\n".join(lines) + "\n"

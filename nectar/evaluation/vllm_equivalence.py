@@ -190,12 +190,20 @@ class ProbeFidelity:
     recovered_torch: Estimate  # the same state through the torch engine, the same buckets
     recovered_torch_exact: Estimate  # the torch engine, full vocabulary (the module's own figure)
     kl_torch_vllm: Estimate  # KL(torch ‖ vLLM), coarse, nats/token
+    kl_vllm: Estimate  # KL(full ‖ vLLM), coarse, nats/token (the KL that recovered_vllm is 1 − · / KL(none) of)
+    top_k: int  # the buckets: vLLM's top k at each position, and the rest of the vocabulary as one
 
     def line(self) -> str:
         pct = lambda e: e.fmt(1, 100.0)  # noqa: E731
         return (f"{self.pairs} pairs / {self.tokens} tokens: KL recovered through vLLM {pct(self.recovered_vllm)} % vs "
                 f"torch {pct(self.recovered_torch)} % (same top-k buckets; torch, full vocabulary "
                 f"{pct(self.recovered_torch_exact)} %); KL(torch‖vLLM) {self.kl_torch_vllm.fmt(6)} nats/token")
+
+    def as_dict(self) -> dict:
+        """The figures as JSON: each estimate as [value, low, high] (the benchmark's and compare's notes)."""
+        est = ("recovered_vllm", "recovered_torch", "recovered_torch_exact", "kl_torch_vllm", "kl_vllm")
+        return {"line": self.line(), "pairs": self.pairs, "tokens": self.tokens, "top_k": self.top_k,
+                **{k: [getattr(self, k).value, getattr(self, k).low, getattr(self, k).high] for k in est}}
 
 
 def _kl(p_log: torch.Tensor, q_log: torch.Tensor) -> float:
@@ -247,6 +255,7 @@ def probe_fidelity(base: BaseLM, doc_kv: DocKV, state_path: str, url: str, model
         counts.append(len(positions))
     a = {k: np.array(v) for k, v in sums.items()}
     boot = PairedBootstrap(len(pairs), seed=seed, key="vllm-probe-fidelity")
+    tokens = np.array(counts, dtype=float)
     return ProbeFidelity(len(pairs), int(sum(counts)), boot.recovered(a["vllm"], a["none"]),
                          boot.recovered(a["torch"], a["none"]), boot.recovered(a["torch_exact"], a["none_exact"]),
-                         boot.ratio(a["tv"], np.array(counts, dtype=float)))
+                         boot.ratio(a["tv"], tokens), boot.ratio(a["vllm"], tokens), top_k)

@@ -253,7 +253,10 @@ def compare(
                                 "attention_matching, recon_select, recon_fit, and each baseline @int8 and @int4); "
                                 "kvpress presses by name: "
                                 "kvpress:kvzip, kvpress:snapkv, …, kvpress:all, with :int8 / :int4 for quantized "
-                                "keys and values (run in a venv of their own, built on first use). The run's own "
+                                "keys and values (run in a venv of their own, built on first use); the run's state "
+                                "as vLLM serves it: vllm:trained, vllm:attention_matching_kv@int4 (a vLLM server "
+                                "each, `nectar llm setup` first; probe KL over vLLM's top-100 buckets, in a section "
+                                "of its own). The run's own "
                                 "states (run:first, run:refined) are always compared when it has them."),
     questions: Optional[str] = typer.Option(None, "--questions", help="JSONL of your own questions "
                                             "({\"question\": …, \"answer\": …} per line, answer optional): "

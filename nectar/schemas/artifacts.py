@@ -362,9 +362,9 @@ class ComparisonRow(QualityColumns):
     system: str
     # reference: none / full; trained: a module trained for the comparison; method: a state method of
     # nectar/states fitted at compare time (the outside baselines and the product's own recon_fit family);
-    # kvpress: a kvpress press; run: the run's own first / refined state. "baseline": the old name of
-    # "method", in tables written before it was renamed.
-    kind: Literal["reference", "trained", "method", "kvpress", "run", "baseline"]
+    # kvpress: a kvpress press; run: the run's own first / refined state; served: the run's state as vLLM
+    # serves it (its KL over kl_basis). "baseline": the old name of "method", in tables written before it was renamed.
+    kind: Literal["reference", "trained", "method", "kvpress", "run", "served", "baseline"]
     regime: str | None = None  # training regime of a trained system (nectar/schemas/presets.py REGIMES)
     arch: str | None = None
     rho: float | None = None  # the budget: share of the document KV bytes (None for none/full)
@@ -376,3 +376,7 @@ class ComparisonRow(QualityColumns):
     # stages up to it (run: chunk → first for the first state, every stage through promote for the refined)
     state_seconds: float | None = None
     source: str | None = None  # where the module came from: its run directory, or the baseline's fit
+    # what the KL columns are over: None, the full vocabulary; "top-100 buckets" (a served row): the server's
+    # top 100 tokens at each position and the rest of the vocabulary as one bucket (a lower bound of the full
+    # KL, not comparable with full-vocabulary rows; compare it with the torch engine's figure on the same buckets)
+    kl_basis: str | None = None

@@ -17,7 +17,8 @@ def test_registry_holds_the_issue_systems_once_each():
                              "recon_fit_nosink", "recon_fit_template", "recon_fit_qa", "recon_train", "recon_train_recon",
                              "recon_distill", *quantized, *recon_quantized, "recon_first@int4", "recon_mixed",
                                  "recon_train_qa@int4", "recon_train_qa_fast@int4", "recon_train_qa_float@int4", "recon_distill_qa@int4",
-                             "attention_matching_kv@int8", "attention_matching_kv@int4"]
+                             "attention_matching_kv@int8", "attention_matching_kv@int4",
+                             "vllm:trained", "vllm:attention_matching_kv@int8", "vllm:attention_matching_kv@int4"]
     assert {s.name for s in SYSTEMS.values() if s.kind == "reference"} == {"none", "full"}
     for s in SYSTEMS.values():
         name, _, precision = s.name.partition("@")
@@ -30,7 +31,7 @@ def test_registry_holds_the_issue_systems_once_each():
             assert s.method in METHODS  # a state method of the registry
     # default: every system this checkout can run, but the ablations and the opt-in quantized trained
     # ones (a training each)
-    assert [s.name for s in resolve(None)] == [n for n in SYSTEMS if not n.startswith(("matching@", "attention_matching_kv@"))
+    assert [s.name for s in resolve(None)] == [n for n in SYSTEMS if not n.startswith(("matching@", "attention_matching_kv@", "vllm:"))
                                                and n != "recon_fit_regime" and (n in ("recon_select", "recon_fit", "recon_fit@int8", "recon_fit@int4", "recon_fit_qa@int4")
         or not n.startswith("recon"))]
     assert [s.name for s in resolve(["evict", "none"])] == ["none", "evict"]  # registry order
@@ -94,7 +95,9 @@ def test_each_row_kind_says_what_the_row_is(monkeypatch):
     for name in ("truncate", "evict", "attention_matching", "attention_matching_kv@int4", "recon_select",
                  "recon_fit", "recon_fit@int4", "recon_fit_qa@int4", "recon_first@int4", "recon_mixed"):
         assert kinds[name] == "method", name
-    assert set(kinds.values()) == {"reference", "trained", "method"}
+    assert {n for n, k in kinds.items() if k == "served"} == {"vllm:trained", "vllm:attention_matching_kv@int8",
+                                                             "vllm:attention_matching_kv@int4"}
+    assert set(kinds.values()) == {"reference", "trained", "method", "served"}
     assert [(s.name, s.kind) for s in run_states({"first", "train"})] == [("run:first", "run"),
                                                                           ("run:refined", "run")]
     assert {s.kind for s in kvpress_systems("kvpress:knorm:int4")} == {"kvpress"}

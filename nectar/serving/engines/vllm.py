@@ -11,8 +11,11 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
+from ... import shutdown
 from ...base_model import embedded_smollm2_dir
 from ...layout import build_layout
 from ...orchestration.context import open_run
@@ -84,6 +87,26 @@ def prepare(run_dirs: list[str], opts: VLLMOptions, log=print) -> tuple[ServerSp
                              enforce_eager=opts.enforce_eager, max_logprobs=opts.max_logprobs,
                              max_num_seqs=opts.max_num_seqs, kv_cache_gib=opts.kv_cache_gib, api_keys=opts.api_keys)
     return spec, os.path.join(out_dir, "server.log"), docs
+
+
+@contextmanager
+def measured_server(run_dir: str, opts: VLLMOptions, log=print) -> Iterator[tuple[VLLMServer, ServerSpec, ServedDocument]]:
+    """One run's state (``opts.source``) served by a vLLM server this process owns, for measuring it (the
+    fidelity benchmark, ``nectar compare``'s ``vllm:`` rows): started with NECTAR's plugin (β states need its
+    backend; every state server its prompt log-probs), stopped by its process group on leaving the block —
+    an error or a SIGINT/SIGTERM raised under ``shutdown.handling_signals`` included — and by a cleanup
+    registered with ``nectar.shutdown`` in case the process is forced to exit (``os._exit`` runs no atexit)."""
+    spec, log_path, docs = prepare([run_dir], opts, log)
+    python = opts.python or interpreter(build=False)  # never a 3.4 GB build unasked: `nectar llm setup` builds it
+    ensure_plugin(python)
+    server = VLLMServer(spec, log_path, python=python, startup_timeout_s=opts.startup_timeout_s)
+    cleanup = shutdown.register(lambda fast: server.stop(grace_s=0.0 if fast else 20.0), f"vLLM server ({log_path})")
+    try:
+        server.start()
+        yield server, spec, docs[0]
+    finally:
+        server.stop()
+        cleanup.remove()
 
 
 def serve_vllm(run_dirs: list[str], opts: VLLMOptions, log=print) -> None:
