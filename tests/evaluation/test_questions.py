@@ -11,9 +11,10 @@ from nectar.attention.exact import ExactDocState
 from nectar.evaluation.questions import (QUESTIONS_SPLIT, QuestionsFileError, question_pairs, read_questions,
                                          reference_answers)
 from nectar.layout import build_layout
-from nectar.orchestration.executor import run_stage
-from nectar.schemas import ComparisonRow, DatasetRow, MetricsRow, load_config
-from nectar.tables import read_table, write_table
+from nectar.schemas import ComparisonRow, MetricsRow, load_config
+from nectar.tables import read_table
+
+from hand_written_run import QA as HAND_QA, write_verified
 
 QUESTIONS = [{"question": "Who bought Varn Island?", "answer": "Captain Ilse Brandt."},
              {"question": "What ran aground on the northern reef?"},
@@ -85,27 +86,7 @@ def test_reference_answers_generated_once_and_reused(tmp_path, tiny_llama, docum
 
 # ----- end to end on the tiny model -----
 
-QA = [("Who bought the island?", "Captain Ilse Brandt bought Varn Island."),
-      ("What ran aground?", "The schooner Meridian ran aground on the northern reef."),
-      ("What was the cargo?", "Salt cod and barrels of lamp oil."),
-      ("How many sailors were saved?", "Seven sailors were rowed ashore."),
-      ("When did the Meridian run aground?", "In the winter of 1871."),
-      ("Who kept a ledger?", "The lighthouse keeper of Varn Island."),
-      ("Where is the reef?", "North of Varn Island."),
-      ("What did the keeper do?", "He rowed out twice to rescue the sailors.")]
-
-
-def _write_verified(ctx, n_train=6):
-    rows = [DatasetRow(pair_id=f"p{i}", chunk_id=0, task="qa", instruction=q, response=a, full_answer=a,
-                       judge_raw="{}", is_consistent=True, confidence=0.9, reasoning="", verdict="consistent",
-                       kept=True, split="train" if i < n_train else "test", challenge=i == 7)
-            for i, (q, a) in enumerate(QA)]
-
-    def body(url):
-        write_table(f"{url}/dataset.parquet", rows, DatasetRow)
-        return ["dataset.parquet"], {"kept": len(rows)}
-
-    run_stage(ctx.run, "verify", {"hand": "written"}, {}, body)
+QA = HAND_QA[:8]
 
 
 @pytest.mark.slow
@@ -117,7 +98,7 @@ def test_questions_split_end_to_end(tmp_path, document):
     plain = load_config("tiny", overrides=overrides)
     ctx = orchestration.prepare_run(str(tmp_path / "doc.txt"), plain, str(tmp_path / "run"))
     orchestration.run_chunk(ctx)
-    _write_verified(ctx)
+    write_verified(ctx, QA, challenge={7})
     for stage in ("targets", "train", "evaluate"):
         assert orchestration.STAGE_RUNNERS[stage](ctx, False).status == "done"
     # the file is a path in the config, left out of the run id: only evaluate re-runs, in the same run
@@ -163,7 +144,7 @@ def test_questions_are_the_measure_when_no_pair_is_grounded(tmp_path, document):
                                             f"evaluate.questions={json.dumps(qpath)}"])
     ctx = orchestration.prepare_run(str(tmp_path / "doc.txt"), config, str(tmp_path / "run"))
     orchestration.run_chunk(ctx)
-    _write_verified(ctx, n_train=len(QA))
+    write_verified(ctx, QA, n_train=len(QA), challenge={7})
     for stage in ("targets", "train", "evaluate"):
         assert orchestration.STAGE_RUNNERS[stage](ctx, False).status == "done"
     splits = {m.split for m in read_table(ctx.run.url("evaluate", "metrics.parquet"), MetricsRow)}

@@ -3,32 +3,10 @@ written by hand (the LLM stages are covered by their own tests and the end-to-en
 import pytest
 
 from nectar import orchestration
-from nectar.orchestration.executor import run_stage, stage_status
-from nectar.schemas import DatasetRow, load_config
-from nectar.tables import write_table
+from nectar.orchestration.executor import stage_status
+from nectar.schemas import load_config
 
-QA = [("Who bought the island?", "Captain Ilse Brandt bought Varn Island."),
-      ("What ran aground?", "The schooner Meridian ran aground on the northern reef."),
-      ("What was the cargo?", "Salt cod and barrels of lamp oil."),
-      ("How many sailors were saved?", "Seven sailors were rowed ashore."),
-      ("When did the Meridian run aground?", "In the winter of 1871."),
-      ("Who kept a ledger?", "The lighthouse keeper of Varn Island."),
-      ("Where is the reef?", "North of Varn Island."),
-      ("What did the keeper do?", "He rowed out twice to rescue the sailors.")]
-
-
-def _write_verified(ctx):
-    rows = [DatasetRow(pair_id=f"p{i}", chunk_id=0, task="qa", instruction=q, response=a, full_answer=a,
-                       judge_raw="{}", is_consistent=True, confidence=0.9, reasoning="", verdict="consistent",
-                       kept=True, split="train" if i < 6 else "test", challenge=i == 7)
-            for i, (q, a) in enumerate(QA)]
-
-    def body(url):
-        write_table(f"{url}/dataset.parquet", rows, DatasetRow)
-        return ["dataset.parquet"], {"kept": len(rows)}
-
-    run_stage(ctx.run, "verify", {"hand": "written"}, {}, body)
-
+from hand_written_run import QA, write_verified
 
 @pytest.fixture
 def tiny_ctx(tmp_path, document):
@@ -37,7 +15,7 @@ def tiny_ctx(tmp_path, document):
     config = load_config("tiny", overrides=["train.samples=600", "evaluate.judge.max_new_tokens=8"])
     ctx = orchestration.prepare_run(str(path), config, str(tmp_path / "run"))
     orchestration.run_chunk(ctx)
-    _write_verified(ctx)
+    write_verified(ctx, QA[:8], n_train=6, challenge={7})
     return ctx
 
 

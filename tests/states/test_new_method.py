@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from nectar import comparison, orchestration
+from nectar import comparison
 from nectar.comparison.jobs import baseline_plan
 from nectar.comparison.systems import SYSTEMS, System
 from nectar.modules.budget import pairs_in_bytes
@@ -19,11 +19,10 @@ from nectar.modules.builder import ModulePlan, build_module
 from nectar.modules.io import load_module, make_spec, save_module
 from nectar.modules.stored import quantize_module_
 from nectar.orchestration.context import load_base, load_run_doc_kv
-from nectar.orchestration.executor import run_stage
-from nectar.schemas import DatasetRow, load_config
 from nectar.schemas.renamed import renamed
 from nectar.states import METHODS, FitInputs, FittedState, StateMethod, get_method, register, unregister
-from nectar.tables import write_table
+
+from hand_written_run import QA as QUESTIONS, run_with_targets
 
 
 @dataclass(frozen=True)
@@ -55,38 +54,16 @@ class KeepLast(StateMethod):
         return FittedState(self.name, quantize_module_(module).eval(), qplan)
 
 
-QA = [("Who bought the island?", "Captain Ilse Brandt bought Varn Island."),
-      ("What ran aground?", "The schooner Meridian ran aground on the northern reef."),
-      ("What was the cargo?", "Salt cod and barrels of lamp oil."),
-      ("How many sailors were saved?", "Seven sailors were rowed ashore."),
-      ("Who kept a ledger?", "The lighthouse keeper of Varn Island."),
-      ("Where is the reef?", "North of Varn Island.")]
+# six of the hand-written pairs, four of them train
+QA = [QUESTIONS[i] for i in (0, 1, 2, 3, 5, 6)]
 
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
-    """A tiny run with targets (chunk, a verified dataset written by hand, targets), as
-    tests/comparison/test_compare_e2e.py builds one."""
-    from sample_document import DOC
-
-    root = tmp_path_factory.mktemp("newmethod")
-    (root / "doc.txt").write_text(DOC)
-    config = load_config("tiny", overrides=["evaluate.bootstrap_resamples=100", "evaluate.agreement_new_tokens=4",
-                                            "evaluate.agreement_max_samples=0"])
-    ctx = orchestration.prepare_run(str(root / "doc.txt"), config, str(root / "run"))
-    orchestration.run_chunk(ctx)
-    rows = [DatasetRow(pair_id=f"p{i}", chunk_id=0, task="qa", instruction=q, response=a, full_answer=a,
-                       judge_raw="{}", is_consistent=True, confidence=0.9, reasoning="", verdict="consistent",
-                       kept=True, split="train" if i < 4 else "test", challenge=False)
-            for i, (q, a) in enumerate(QA)]
-
-    def body(url):
-        write_table(f"{url}/dataset.parquet", rows, DatasetRow)
-        return ["dataset.parquet"], {"kept": len(rows)}
-
-    run_stage(ctx.run, "verify", {"hand": "written"}, {}, body)
-    orchestration.run_targets(ctx)
-    return ctx
+    """A tiny run with targets (chunk, a verified dataset written by hand, targets)."""
+    return run_with_targets(tmp_path_factory.mktemp("newmethod"), "tiny",
+                            ["evaluate.bootstrap_resamples=100", "evaluate.agreement_new_tokens=4",
+                             "evaluate.agreement_max_samples=0"], qa=QA, n_train=4)
 
 
 @pytest.fixture
