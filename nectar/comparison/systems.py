@@ -189,6 +189,12 @@ register(System("recon_first@int4", "method", "the first stage's state: recon_fi
                 "reconstruction queries alone (no question about the document), stored at int4 (fp16 scale and "
                 "zero per 64 values, β bf16)", method="recon_fit", bits=4,
                 options={"fit": True, "fit_queries": "recon", "score_queries": "recon"}, default=False))
+# ... with at most 2,048 keys of a head fitted jointly (issue 39: the fit's cost on long documents)
+register(System("recon_first_k2048@int4", "method", "recon_first@int4 fitting at most 2,048 keys of a head jointly "
+                "(those with the most mass on the fit queries; the rest keep β = 0 and their values)",
+                method="recon_fit", bits=4,
+                options={"fit": True, "fit_queries": "recon", "score_queries": "recon", "fit_keys": 2048},
+                default=False))
 
 
 # The bits allocated by rate and distortion (issue 38, nectar/states/recon_mixed.py): recon_first's keys and

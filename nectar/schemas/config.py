@@ -227,6 +227,10 @@ class SelectionConfig(FrozenConfig):
     # the fit's reconstruction queries also placed these many positions after the document (the distances
     # a composition asks a document from when other documents follow it: ``compose`` sets them per part)
     fit_gaps: tuple[Annotated[int, Field(gt=0)], ...] = added_setting(())
+    # at most this many keys of one (layer, KV head) fitted jointly: those with the most mass on the fit
+    # queries; the rest keep β = 0 and their own values. The fit's solves are cubic in the keys a head
+    # keeps, and a head keeping almost every key gains least from β (states/matching_fit.py). None: all
+    fit_keys: Annotated[int, Field(gt=0)] | None = added_setting(None)
 
 
 class FirstConfig(FrozenConfig):

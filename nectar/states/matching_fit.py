@@ -10,6 +10,11 @@ Given the kept keys S of one (layer, KV head) and the training queries:
      the values Z minimise Σ_r ‖R[r] Z − A(q_r)‖², with a small ridge towards the original values
      so keys that no query reaches keep sensible values.
 Then a(q) = LSE(s·Wq + β) matches α and A(q) = softmax(s·Wq + β)ᵀ Z matches 𝒜 on the training queries.
+
+A head that keeps more keys than a cap solves only the cap's worth jointly (``fitted_keys``): the keys with
+the most mass on the fit queries; the others keep β = 0 and their own values, and both fits target what
+those fixed keys leave. The solves are cubic and the Gram products quadratic in the keys solved, and with
+more keys than fit queries (N) the system is rank-deficient anyway — the ridge alone decides the rest.
 """
 from __future__ import annotations
 
@@ -21,21 +26,48 @@ MIN_MASS = 1e-12  # w_j floor: β ≥ log(1e-12) ≈ −27.6, a key that no quer
 RIDGE = 1e-3  # ridges (masses towards β = 0, values towards the kept values), relative to the Gram diagonal
 
 
-def fit_log_mass(mass: torch.Tensor) -> torch.Tensor:
+def fitted_keys(mass: torch.Tensor, cap: int | None) -> torch.Tensor | None:
+    """Which of a head's p kept keys its fit solves jointly: all (None) up to ``cap`` keys, else the
+    ``cap`` keys with the most mass on the fit queries (indices [cap], ascending). The rest keep β = 0
+    and their values: the ridge would hold a key no fit query reaches near there anyway."""
+    if cap is None or mass.shape[1] <= cap:
+        return None
+    reach = mass.sum(0, dtype=torch.float64)  # [p] each key's mass over the fit queries
+    return torch.topk(reach, cap).indices.sort().values
+
+
+def _fixed(p: int, free: torch.Tensor) -> torch.Tensor:
+    """[p] bool: the keys outside ``free`` (indices)."""
+    fixed = torch.ones(p, dtype=torch.bool)
+    fixed[free] = False
+    return fixed
+
+
+def fit_log_mass(mass: torch.Tensor, free: torch.Tensor | None = None) -> torch.Tensor:
     """mass [N, p] = exp(s·q·k_j − α) for the kept keys → β [p] with Σ_j e^{β_j} mass[r, j] ≈ 1.
 
     A small ridge towards w = 1 (β = 0) picks, among weightings that fit equally well (queries of a
     head are often nearly collinear), the one closest to the plain kept keys — so keeping every key
-    gives back exactly the document's state."""
+    gives back exactly the document's state. ``free`` (``fitted_keys``): only those keys' β are
+    fitted, to the mass the others (β = 0) leave; theirs stay 0."""
     M = mass.float().contiguous()  # [N, p]
-    G = gram(M)  # [p, p]: the fit only needs MᵀM and Mᵀ1, so N (thousands of queries) drops out
+    target = None  # [N] the mass the fitted keys must make up: 1, less the fixed keys' share
+    if free is not None:
+        target = (1.0 - M[:, _fixed(M.shape[1], free)].sum(1, dtype=torch.float64)).clamp_min(0.0)
+        M = M[:, free].contiguous()  # [N, k]
+    G = gram(M)  # [k, k]: the fit only needs MᵀM and Mᵀt, so N (thousands of queries) drops out
     mu2 = RIDGE * max(float(G.diagonal().mean()), 1e-12)
     G.diagonal().add_(mu2)  # MᵀM + μ²I
-    rhs = M.sum(0, dtype=torch.float64) + mu2  # Mᵀ1 + μ²·1
-    # ‖Mw − 1‖² + μ²‖w − 1‖² = wᵀGw − 2 rhsᵀw + const: a strictly convex QP over w ≥ 0 (the same
+    # Mᵀ1 + μ²·1 (Mᵀt + μ²·1 with fixed keys)
+    rhs = (M.sum(0, dtype=torch.float64) if target is None else M.double().T @ target) + mu2
+    # ‖Mw − t‖² + μ²‖w − 1‖² = wᵀGw − 2 rhsᵀw + const: a strictly convex QP over w ≥ 0 (the same
     # NNLS as ‖Lᵀw − L⁻¹rhs‖² with G = LLᵀ), solved exactly by block principal pivoting on G.
-    w = nnls_gram(G, rhs)
-    return torch.log(w.clamp_min(MIN_MASS)).cpu()  # [p] float64
+    beta = torch.log(nnls_gram(G, rhs).clamp_min(MIN_MASS)).cpu()  # [k] float64
+    if free is None:
+        return beta
+    out = torch.zeros(mass.shape[1], dtype=torch.float64)  # [p]: β = 0 on the fixed keys
+    out[free] = beta
+    return out
 
 
 def nnls_gram(G: torch.Tensor, rhs: torch.Tensor, max_iter: int = 100) -> torch.Tensor:
@@ -143,14 +175,34 @@ def tri_solve(L: torch.Tensor, b: torch.Tensor, transpose: bool = False) -> torc
 
 
 def fit_values(mass: torch.Tensor, beta: torch.Tensor, targets: torch.Tensor,
-               prior: torch.Tensor) -> torch.Tensor:
+               prior: torch.Tensor, free: torch.Tensor | None = None) -> torch.Tensor:
     """Least-squares values Z [p, d] for the compacted attention softmax(log mass + β) against the
-    captured outputs ``targets`` [N, d]; ridge towards ``prior`` [p, d] (the kept keys' values)."""
+    captured outputs ``targets`` [N, d]; ridge towards ``prior`` [p, d] (the kept keys' values).
+    ``free`` (``fitted_keys``): only those keys' values are solved, to what the others' (their
+    priors) leave; the others keep their priors."""
     # softmax over the kept keys of log mass + β, shifted by each row's largest term so float32
     # neither overflows (β up to +27) nor underflows: R is the same as in float64 to ~1e-7
     logits = torch.log(mass.float().clamp_min(1e-38)) + beta.float().unsqueeze(0)  # [N, p]
     R = torch.softmax(logits, dim=1)  # [N, p] compacted attention
     R[mass.float() <= 0] = 0.0
+    if free is not None:
+        return _fit_some_values(R, targets, prior, free)
+    return _solve_values(R, targets, prior)
+
+
+def _fit_some_values(R: torch.Tensor, targets: torch.Tensor, prior: torch.Tensor,
+                     free: torch.Tensor) -> torch.Tensor:
+    """Z [p, d]: the priors, with the ``free`` keys' rows solved against the targets less the fixed
+    keys' share R_X·prior_X."""
+    fixed = _fixed(R.shape[1], free)
+    rest = targets.float() - R[:, fixed] @ prior[fixed].float()  # [N, d]
+    Z = prior.double().clone()
+    Z[free] = _solve_values(R[:, free].contiguous(), rest, prior[free]).double()
+    return Z
+
+
+def _solve_values(R: torch.Tensor, targets: torch.Tensor, prior: torch.Tensor) -> torch.Tensor:
+    """argmin_Z ‖RZ − targets‖² + λ‖Z − prior‖² → Z [p, d] (float64), R [N, p]."""
     G = gram(R)  # [p, p]
     lam = RIDGE * max(float(G.diagonal().mean()), 1e-12)
     G.diagonal().add_(lam)  # RᵀR + λI

@@ -51,7 +51,7 @@ def fit_recon(base: BaseLM, layout: PromptLayout, document: str, doc_kv, targets
         gapped = [recon_capture(base, layout, doc_kv, spans, select.aggregate, gap=g) for g in select.fit_gaps]
         timings["recon_gaps_s"] = timings.get("recon_gaps_s", 0.0) + time.perf_counter() - start
         queries = fit_queries(cap, train, select, seed, gapped)
-    module = build_selected(qplan, kept, doc_kv, queries, select.quant_aware, timings=timings)
+    module = build_selected(qplan, kept, doc_kv, queries, select.quant_aware, timings=timings, fit_keys=select.fit_keys)
     return FittedState(ReconFit.name, module, qplan, scores=scores)  # scores [L, Hkv, n]: what the allocation ranked
 
 
@@ -133,6 +133,9 @@ class ReconFit(StateMethod):
     # the fit's reconstruction queries also asked from these many tokens further away (a composition's
     # distances: nectar/attention/compose.py ``part_gaps``); the key ranking stays the document's own
     fit_gaps: tuple[int, ...] = ()
+    # at most this many keys of one (layer, KV head) fitted jointly — those with the most mass on the fit
+    # queries; the rest keep β = 0 and their values (matching_fit.fitted_keys). None: all of them
+    fit_keys: int | None = None
 
     name = "recon_fit"
     READS = frozenset({"doc_kv", "document", "train_queries"})

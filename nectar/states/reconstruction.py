@@ -37,7 +37,7 @@ from ..modules.provider import group_queries
 from ..modules.stored import quantize_module_
 from ..quantization import fake_quantize
 from ..targets.capture import pack
-from .matching_fit import fit_log_mass, fit_values
+from .matching_fit import fit_log_mass, fit_values, fitted_keys
 from .selection import attention_probs
 
 RECON_BATCH_TOKENS = 1024  # query tokens per scoring forward (bounds the [Hq, T, n] probabilities)
@@ -236,7 +236,8 @@ def selection_plan(plan: ModulePlan, kept: list[list[torch.Tensor]], fit: bool) 
 
 @torch.no_grad()
 def build_selected(plan: ModulePlan, kept: list[list[torch.Tensor]], doc_kv, queries=None,
-                   quant_aware: bool = True, timings: dict[str, float] | None = None) -> NectarModule:
+                   quant_aware: bool = True, timings: dict[str, float] | None = None,
+                   fit_keys: int | None = None) -> NectarModule:
     """The module of the kept keys: exact KV (β = 0), or with fitted β and values when ``queries``
     (an object with q [T, L, Hq, d], alpha [T, L, Hq], A [T, L, Hq, d]) are given.
 
@@ -245,7 +246,8 @@ def build_selected(plan: ModulePlan, kept: list[list[torch.Tensor]], doc_kv, que
     those keys and the stored β (Attention Matching's fit, aware of the rounding); otherwise fitted in
     float and rounded after. The module returned holds the stored values either way. ``timings``:
     the fit's wall seconds (fit_s) and its β fits' and value solves' shares of them (fit_mass_s,
-    fit_values_s) added to it."""
+    fit_values_s) added to it. ``fit_keys``: at most this many keys of a head fitted jointly
+    (matching_fit.fitted_keys; None: all)."""
     timings = {} if timings is None else timings
     module = build_module(plan)
     hkv, bits, group = plan.num_kv_heads, plan.bits, plan.quant_group
@@ -280,7 +282,8 @@ def build_selected(plan: ModulePlan, kept: list[list[torch.Tensor]], doc_kv, que
         pairs.append((W, Z, B))
     if heads:
         start = time.perf_counter()
-        fitted = run_per_head(lambda t: t.fit(plan.scaling, log_mass), heads, cost=lambda t: t.keys.shape[0])
+        fitted = run_per_head(lambda t: t.fit(plan.scaling, log_mass, fit_keys), heads,
+                              cost=lambda t: min(t.keys.shape[0], fit_keys or t.keys.shape[0]))
         wall = time.perf_counter() - start
         for t, (beta, Zh, mass_s, values_s) in zip(heads, fitted):
             _, Z, B = pairs[t.layer]
@@ -308,13 +311,16 @@ class _HeadFit:
     keys: torch.Tensor  # [c, d]
     values: torch.Tensor  # [c, d]
 
-    def fit(self, scaling: float, log_mass) -> tuple[torch.Tensor, torch.Tensor, float, float]:
-        """(β [c], values [c, d], seconds of the β fit, seconds of the value solve)."""
+    def fit(self, scaling: float, log_mass, cap: int | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+        """(β [c], values [c, d], seconds of the β fit, seconds of the value solve); at most ``cap``
+        keys solved jointly (the rest keep β = 0 and their values)."""
         start = time.perf_counter()
         mass = attention_probs(self.q, self.alpha, self.keys, scaling)  # [T·g, c]
-        beta = log_mass(fit_log_mass(mass))
+        free = fitted_keys(mass, cap)  # [k] or None (all c)
+        beta = log_mass(fit_log_mass(mass, free))
         mid = time.perf_counter()
-        Z = fit_values(mass, beta, self.A, self.values).float()
+        Z = fit_values(mass, beta, self.A, self.values, free).float()
         return beta.float(), Z, mid - start, time.perf_counter() - mid
 
 

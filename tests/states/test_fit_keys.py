@@ -1,0 +1,72 @@
+"""A cap on the keys one head's closed-form fit solves jointly (SelectionConfig.fit_keys, issue 39):
+the keys with the most mass on the fit queries are solved, the rest keep β = 0 and their own values,
+and the fits target what those fixed keys leave. The capped fit is the full fit restricted to w = 1
+on the fixed keys, so its objective lies between the full fit's and the unfitted keys'."""
+from __future__ import annotations
+
+import torch
+
+from nectar.states.matching_fit import RIDGE, fit_log_mass, fit_values, fitted_keys
+
+
+def _masses(n_queries: int, kept: int, total: int, seed: int) -> torch.Tensor:
+    """[N, kept] exp(s·q·k_j − α) of ``kept`` of ``total`` keys (α over all of them)."""
+    g = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(n_queries, 16, generator=g), torch.randn(total, 16, generator=g)
+    logits = q @ k.T * 0.5
+    return torch.exp(logits[:, :kept] - torch.logsumexp(logits, 1, keepdim=True))
+
+
+def _mass_objective(mass: torch.Tensor, beta: torch.Tensor) -> float:
+    """‖Mw − 1‖² + μ²‖w − 1‖² of fit_log_mass, at w = e^β (μ² from the whole Gram's diagonal)."""
+    M, w = mass.double(), beta.double().exp()
+    mu2 = RIDGE * float((M * M).sum(0).mean())
+    return float(((M @ w - 1) ** 2).sum() + mu2 * ((w - 1) ** 2).sum())
+
+
+def test_no_cap_or_a_cap_at_least_the_keys_fits_every_key():
+    mass = _masses(400, 60, 120, 0)
+    assert fitted_keys(mass, None) is None and fitted_keys(mass, 60) is None
+    free = fitted_keys(mass, 20)
+    assert free.tolist() == sorted(free.tolist()) and free.numel() == 20
+    assert set(free.tolist()) == set(torch.topk(mass.sum(0), 20).indices.tolist())  # the most-reached keys
+
+
+def test_capped_mass_fit_keeps_the_fixed_keys_and_lies_between_unfitted_and_full():
+    mass = _masses(500, 80, 240, 1)
+    free = fitted_keys(mass, 25)
+    capped, full = fit_log_mass(mass, free), fit_log_mass(mass)
+    fixed = torch.ones(80, dtype=torch.bool)
+    fixed[free] = False
+    assert (capped[fixed] == 0).all() and (capped[free] != 0).any()
+    unfitted = _mass_objective(mass, torch.zeros(80))
+    # the ridge's μ² is taken from the solved keys' Gram, so compare with a little slack
+    assert _mass_objective(mass, full) <= _mass_objective(mass, capped) * 1.01
+    assert _mass_objective(mass, capped) < 0.5 * unfitted
+
+
+def test_capped_value_fit_keeps_the_fixed_values_and_fits_the_rest():
+    mass = _masses(600, 70, 200, 2)
+    g = torch.Generator().manual_seed(3)
+    targets, prior = torch.randn(600, 8, generator=g), torch.randn(70, 8, generator=g)
+    free = fitted_keys(mass, 30)
+    beta = fit_log_mass(mass, free)
+    Z = fit_values(mass, beta, targets, prior, free)
+    fixed = torch.ones(70, dtype=torch.bool)
+    fixed[free] = False
+    assert torch.equal(Z[fixed].float(), prior[fixed])
+
+    def error(values: torch.Tensor) -> float:  # ‖RZ − targets‖² of the compacted attention
+        R = torch.softmax(torch.log(mass.double().clamp_min(1e-300)) + beta.double(), 1)
+        return float(((R @ values.double() - targets.double()) ** 2).sum())
+
+    full = fit_values(mass, beta, targets, prior)
+    assert error(full) <= error(Z) * 1.01 and error(Z) < error(prior)
+
+
+def test_every_key_kept_with_a_cap_gives_back_the_document():
+    """All n keys kept: the fixed ones leave exactly the fitted ones' mass, so the fitted w stay ≈ 1
+    (β ≈ 0) and the state is the document's whatever the cap."""
+    mass = _masses(800, 50, 50, 4)
+    beta = fit_log_mass(mass, fitted_keys(mass, 10))
+    assert beta.abs().max() < 1e-2
