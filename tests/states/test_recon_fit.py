@@ -258,3 +258,27 @@ def test_fitting_at_gaps_adds_the_shifted_queries_and_keeps_the_selection(tiny):
     assert gapped.plan == plain.plan  # the ranking is the document's own: the same keys, the same bytes
     a, b = plain.module.state_dict(), gapped.module.state_dict()
     assert any(not torch.equal(a[k], b[k]) for k in a)  # … fitted (β, values) on more queries
+
+
+def test_max_scores_taken_before_the_exp_are_the_whole_softmax_maxima():
+    """The recorder's max path (the max over rows before the exp, −total folded into the product) gives
+    what exp(s·q·k − total) then the max gives, on random queries with a local part of the softmax."""
+    from nectar.attention.state import AttnState
+    from nectar.states.reconstruction import _ScoreRecorder
+
+    g = torch.Generator().manual_seed(0)
+    hkv, group, R, n, d, s = 2, 3, 7, 40, 16, 0.25
+    keys = [torch.randn(hkv, n, d, generator=g)]
+    q = torch.randn(1, hkv * group, R + 2, d, generator=g)  # two rows that are not response rows
+    rows = torch.arange(1, R + 1)
+    logits = torch.einsum("hgrd,hnd->hgrn", q[0][:, rows].reshape(hkv, group, R, d), keys[0]) * s
+    doc_lse = torch.zeros(1, hkv * group, R + 2)
+    doc_lse[0][:, rows] = torch.logsumexp(logits, -1).reshape(-1, R)  # the document part of the softmax
+    doc = AttnState(torch.zeros(1, hkv * group, R + 2, d), doc_lse)
+    local = AttnState(torch.zeros_like(doc.out), torch.randn(1, hkv * group, R + 2, generator=g))
+    total = torch.logaddexp(doc.lse[0][:, rows], local.lse[0][:, rows]).reshape(hkv, group, R, 1)
+    want = (logits - total).exp().amax(dim=(1, 2))  # [Hkv, n]
+    scores = torch.zeros(1, hkv, n)
+    _ScoreRecorder(keys, rows, s, "max", scores)(0, q, doc, local)
+    assert torch.allclose(scores[0], want, rtol=1e-5, atol=1e-7)
+    assert (scores[0] < 1).all() and (scores[0] > 0).all()
