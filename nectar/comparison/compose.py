@@ -40,8 +40,9 @@ from ..evaluation.teacher import EvalPair, PairSums
 from ..kvpress import BridgeResult, KvpressEnvError, KvpressError, PressJob, PressResult, score_presses
 from ..layout import PromptLayout, build_layout
 from ..orchestration.context import RunContext, load_base
-from ..orchestration.executor import RunDir, now
+from ..orchestration.executor import CODE_VERSION, RunDir, now
 from ..schemas.artifacts import ComparisonRow, ProbeRow
+from ..schemas.base import stable_hash
 from ..schemas.presets import ConfigError
 from ..schemas.renamed import renamed
 from ..queries.probes import make_probes
@@ -169,10 +170,12 @@ def fit_part(part: Part, s: System, rho: float, base, cache_dir: str | None = No
     system's reconstruction queries are also asked from that many positions further (recon_fit
     ``fit_gaps``; 0: the system without the suffix, the same state). ``cache_dir``: fitted states are
     kept there and reused by a later compare with the same output folder (another layout, another press:
-    minutes of fitting saved), named by ``state_key``; delete it after changing the fit."""
+    minutes of fitting saved), named by ``state_key`` and ``fit_digest``: a state fitted with other
+    settings (the system's, the run's, the targets, the release) is fitted again, never reused."""
     path = None
     if cache_dir is not None and s.name != "module":
-        path = f"{cache_dir}/{part.label}-{part.ctx.info.sha256[:12]}-{state_key(s, gap)}-rho{rho:g}.pt"
+        path = (f"{cache_dir}/{part.label}-{part.ctx.info.sha256[:12]}-{state_key(s, gap)}-"
+                f"{fit_digest(part, s, gap)}-rho{rho:g}.pt")
         cached = _load_state(path, base)
         if cached is not None:
             return cached
@@ -189,6 +192,29 @@ def state_key(s: System, gap: int = 0) -> str:
         return s.name
     plain = s.name.removesuffix(GAPS)
     return f"{plain}+gap{gap}" if gap else plain
+
+
+def fit_digest(part: Part, s: System, gap: int = 0) -> str:
+    """12 hex digits of what a fitted state depends on besides the document and ρ: the state method's
+    settings as configured (a system's definition can change between releases under the same name),
+    its precision, the run's model, module, seed and reconstruction settings, the targets stage's
+    cache key (the captured queries some methods read) and the release."""
+    cfg = part.ctx.config
+    method = _configured_method(part, s, gap)
+    settings = dataclasses.asdict(method) if dataclasses.is_dataclass(method) else repr(method)
+    targets = part.ctx.stage_run("targets").read_manifest("targets")
+    return stable_hash({"method": type(method).__name__, "settings": settings, "bits": s.bits,
+                        "model": cfg.model.cache_dict(), "module": cfg.train.module.cache_dict(),
+                        "seed": cfg.train.seed, "recon": cfg.targets.recon.cache_dict(),
+                        "probes": cfg.targets.probes.cache_dict(),
+                        "targets": targets.cache_key if targets is not None else None,
+                        "code": CODE_VERSION})[:12]
+
+
+def _configured_method(part: Part, s: System, gap: int = 0):
+    """The state method a system fits on this part (with its composition gap, if any)."""
+    method = system_method(s, part.ctx.config.train.module)
+    return method.with_options(fit_gaps=(gap,)) if gap else method
 
 
 def _load_state(path: str, base) -> State | None:
@@ -229,9 +255,7 @@ def _fit_part(part: Part, s: System, rho: float, base, gap: int = 0) -> State:
         return State(ModuleDocState(module), spec.module_bytes, time.perf_counter() - t0, spec.arch, spec.rho)
     targets = ctx.stage_run("targets").url("targets")
     has_targets = ctx.stage_run("targets").read_manifest("targets") is not None
-    method = system_method(s, ctx.config.train.module)
-    if gap:
-        method = method.with_options(fit_gaps=(gap,))
+    method = _configured_method(part, s, gap)
     inputs = FitInputs(part.doc_kv, targets if has_targets else None, seed=ctx.config.train.seed, bits=s.bits)
     if method.reads_document:
         tcfg = ctx.config.targets

@@ -1,0 +1,46 @@
+"""The fitted-state cache of ``nectar compare`` and the document panel (compose.fit_part's ``cache_dir``):
+a later fit with the same settings reuses the file, and a system whose definition changed under the same
+name (as ``recon_first@int4`` gained its fit cap, issue 39) is fitted again — "cached" must mean still
+correct."""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+
+from nectar import orchestration
+from nectar.attention.doc_kv import prefill_document
+from nectar.comparison import compose
+from nectar.comparison.systems import SYSTEMS
+from nectar.layout import build_layout
+from nectar.orchestration.context import load_base
+from nectar.schemas import load_config
+
+from sample_document import DOC
+
+
+@pytest.fixture(scope="module")
+def part(tmp_path_factory):
+    root = tmp_path_factory.mktemp("state-cache")
+    (root / "doc.txt").write_text(DOC)
+    ctx = orchestration.prepare_run(str(root / "doc.txt"), load_config("tiny"), str(root / "run"))
+    base = load_base(ctx.config)
+    layout = build_layout(base.tokenizer, ctx.text)
+    return compose.Part(ctx, "doc", layout, prefill_document(base, layout.context_ids)), base
+
+
+def test_a_cached_state_is_reused_and_a_redefined_system_is_fitted_again(part, tmp_path, monkeypatch):
+    part, base = part
+    system, cache = SYSTEMS["recon_first@int4"], str(tmp_path)
+    fits = []
+    real = compose._fit_part
+    monkeypatch.setattr(compose, "_fit_part", lambda *a, **k: fits.append(a[1].options) or real(*a, **k))
+    first = compose.fit_part(part, system, 0.1, base, cache)
+    again = compose.fit_part(part, system, 0.1, base, cache)
+    assert len(fits) == 1 and again.nbytes == first.nbytes and len(os.listdir(cache)) == 1
+    # the same name, another definition (the cap lifted): a new file, fitted again
+    redefined = dataclasses.replace(system, options={**system.options, "fit_keys": None})
+    compose.fit_part(part, redefined, 0.1, base, cache)
+    assert len(fits) == 2 and len(os.listdir(cache)) == 2
+    assert compose.fit_digest(part, system) != compose.fit_digest(part, redefined)
