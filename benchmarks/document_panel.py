@@ -37,7 +37,7 @@ panel_delta.png (Δ by document) are written from every finished cell.
 
 The panel (``PANEL``): ``--documents`` names its entries, or gives a path or pydoc:<topic> ad hoc. The
 ``tuned`` column says which documents were used while tuning any setting: pydoc:naming (the default
-document) and LGPL-3. A text missing on this machine is skipped, with one line. A document over the
+document), LGPL-3 and GPL-3 (the first state's fit cap). A text missing on this machine is skipped, with one line. A document over the
 model's window (with the longest query) runs under YaRN ×2, as do the entries marked ``yarn``.
 """
 from __future__ import annotations
@@ -85,7 +85,8 @@ PANEL = (
                   note="XZ Utils' history of LZMA Utils, narrative (Debian's xz-utils docs)"),
     PanelDocument("vim-usr02", "prose", "/usr/share/vim/vim*/doc/usr_02.txt",
                   note="Vim user manual, 'The first steps in Vim', tutorial prose (vim-runtime)"),
-    PanelDocument("gpl3", "legal", "/usr/share/common-licenses/GPL-3", yarn=True, note="GNU GPL v3, long"),
+    PanelDocument("gpl3", "legal", "/usr/share/common-licenses/GPL-3", tuned=True, yarn=True,
+                  note="GNU GPL v3, long; the first state's fit cap (first.select.fit_keys) was chosen on it"),
     PanelDocument("types", "technical reference", "pydoc:types", yarn=True,
                   note="CPython reference, the standard type hierarchy, long"),
 )

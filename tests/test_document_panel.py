@@ -48,7 +48,7 @@ def test_the_panel_names_its_documents_and_which_were_tuned_on(panel):
     assert len(docs) >= 8 and len({d.name for d in docs}) == len(docs)
     assert {"legal", "technical reference", "prose"} <= {d.kind for d in docs}
     assert any(d.yarn for d in docs)
-    assert {d.name for d in docs if d.tuned} == {"naming", "lgpl3"}
+    assert {d.name for d in docs if d.tuned} == {"naming", "lgpl3", "gpl3"}
     picked = panel.pick_documents("try,/tmp/own.txt,pydoc:import")
     assert [(d.name, d.kind) for d in picked] == [("try", "technical reference"), ("own", "other"), ("import", "other")]
 

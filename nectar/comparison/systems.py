@@ -40,7 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ..schemas.config import ModuleConfig, PipelineConfig, TrainConfig
+from ..schemas.config import FIRST_FIT_KEYS, ModuleConfig, PipelineConfig, TrainConfig
 from ..schemas.presets import PRESET_REGIMES, PRESETS, REGIMES, ConfigError, deep_merge, regime_overlay
 from ..schemas.renamed import renamed
 from ..states.kvpress_press import PREFIX as KVPRESS_PREFIX
@@ -186,14 +186,16 @@ for _bits in (8, 4):
 # The first state's algorithm (nectar/stages/first.py) at any budget: keys ranked and β, values fitted on the
 # reconstruction queries alone, int4 — from the document alone, so its state s is prefill + fit (opt-in).
 register(System("recon_first@int4", "method", "the first stage's state: recon_fit ranked and fitted on the "
-                "reconstruction queries alone (no question about the document), stored at int4 (fp16 scale and "
-                "zero per 64 values, β bf16)", method="recon_fit", bits=4,
-                options={"fit": True, "fit_queries": "recon", "score_queries": "recon"}, default=False))
-# ... with at most 2,048 keys of a head fitted jointly (issue 39: the fit's cost on long documents)
-register(System("recon_first_k2048@int4", "method", "recon_first@int4 fitting at most 2,048 keys of a head jointly "
-                "(those with the most mass on the fit queries; the rest keep β = 0 and their values)",
-                method="recon_fit", bits=4,
-                options={"fit": True, "fit_queries": "recon", "score_queries": "recon", "fit_keys": 2048},
+                "reconstruction queries alone (no question about the document), at most "
+                f"{FIRST_FIT_KEYS:,} keys of a head fitted jointly, stored at int4 (fp16 scale and zero per 64 values, "
+                "β bf16)", method="recon_fit", bits=4,
+                options={"fit": True, "fit_queries": "recon", "score_queries": "recon", "fit_keys": FIRST_FIT_KEYS},
+                default=False))
+# ... fitting every kept key of a head jointly, as the first state did before the cap (issue 39): on long
+# documents slower and worse (docs/quality.md, "A cap on the keys fitted jointly")
+register(System("recon_first_allkeys@int4", "method", "recon_first@int4 fitting every kept key of a head jointly "
+                "(no cap)", method="recon_fit", bits=4,
+                options={"fit": True, "fit_queries": "recon", "score_queries": "recon", "fit_keys": None},
                 default=False))
 
 
