@@ -235,8 +235,8 @@ class SelectionConfig(FrozenConfig):
 
 # the first state's cap on the keys of one (layer, KV head) fitted jointly (SelectionConfig.fit_keys): on a
 # 7.7k-token untuned text the uncapped fit lost to KVzip+int4 at 5 % of the bytes and the cap gained 9 points
-# on probes; on the default document it changes nothing measurable (docs/quality.md, "A cap on the keys
-# fitted jointly")
+# on probes (8.8 on a 5.3k one); on the 1.5k-token default document it costs 0.8 (99.4 → 98.6 %), where the
+# refined state goes live instead (docs/quality.md, "A cap on the keys fitted jointly")
 FIRST_FIT_KEYS = 1024
 
 
