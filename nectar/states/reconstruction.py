@@ -87,8 +87,9 @@ class _ScoreRecorder:
         max_r exp(x_r) = exp(max_r x_r), so the max is taken before the exp, and −total is folded into
         the product as one more dimension ([s·q, −total]·[k, 1]): the [Hkv, g, R, n] logits are written
         once by the matmul and read once by the max, without the scale, subtract and exp passes over
-        them (450 MB each per layer at R = 1k rows and n = 12k keys). At 12k tokens the scoring went from
-        178.8 to 162.6 s, still 2.7× its FLOP bound (docs/benchmarks.md, "The first state's time")."""
+        them (450 MB each per layer at R = 1k rows and n = 12k keys). At 12k tokens the scoring took
+        162.6 and 192.5 s in two passes after, 178.8 s in one before — within the spread — still 2.7–3.0×
+        its FLOP bound (docs/benchmarks.md, "The first state's time")."""
         hkv, (hq, R, d) = keys.shape[0], qr.shape
         qa = torch.cat([qr * self.scaling, -total.unsqueeze(-1)], -1).reshape(hkv, hq // hkv * R, d + 1)
         ka = torch.cat([keys, keys.new_ones(*keys.shape[:2], 1)], -1)  # [Hkv, n, d + 1]
