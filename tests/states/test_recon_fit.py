@@ -280,5 +280,7 @@ def test_max_scores_taken_before_the_exp_are_the_whole_softmax_maxima():
     want = (logits - total).exp().amax(dim=(1, 2))  # [Hkv, n]
     scores = torch.zeros(1, hkv, n)
     _ScoreRecorder(keys, rows, s, "max", scores)(0, q, doc, local)
-    assert torch.allclose(scores[0], want, rtol=1e-5, atol=1e-7)
+    # two summation orders (the product with −total folded in vs subtracted after): float32 rounding of
+    # logits up to ~10 moves exp by ~1e-6 relative on any processor; 1e-4 leaves margin
+    assert torch.allclose(scores[0], want, rtol=1e-4, atol=1e-7)
     assert (scores[0] < 1).all() and (scores[0] > 0).all()
