@@ -85,15 +85,28 @@ class _ScoreRecorder:
         """[Hkv, n]: max over the rows and a KV head's query heads of exp(s·q·k − total).
 
         max_r exp(x_r) = exp(max_r x_r), so the max is taken before the exp, and −total is folded into
-        the product as one more dimension ([s·q, −total]·[k, 1]): the [Hkv, g, R, n] logits are written
-        once by the matmul and read once by the max, without the scale, subtract and exp passes over
-        them (450 MB each per layer at R = 1k rows and n = 12k keys). At 12k tokens the scoring took
-        162.6 and 192.5 s in two passes after, 178.8 s in one before — within the spread — still 2.7–3.0×
-        its FLOP bound (docs/benchmarks.md, "The first state's time")."""
+        the product as one more dimension ([s·q, −total]·[k, 1]). The rows go through in blocks of
+        ``score_rows(n)``: a [Hkv, rows, n] logit block stays in the core's cache between the matmul
+        that writes it and the max that reads it, where the whole [Hkv, g·R, n] (450 MB per layer at
+        R = 1k rows and n = 12k keys) went out to memory and back — the scoring was memory-bound, 3.4×
+        slower at 12k keys (benchmarks/first_state_scaling.py; docs/benchmarks.md). The max is exact,
+        so the blocks change only the matmul's summation order."""
         hkv, (hq, R, d) = keys.shape[0], qr.shape
         qa = torch.cat([qr * self.scaling, -total.unsqueeze(-1)], -1).reshape(hkv, hq // hkv * R, d + 1)
-        ka = torch.cat([keys, keys.new_ones(*keys.shape[:2], 1)], -1)  # [Hkv, n, d + 1]
-        return torch.bmm(qa, ka.transpose(1, 2)).amax(dim=1).exp_()  # [Hkv, g·R, n] → [Hkv, n]
+        ka = torch.cat([keys, keys.new_ones(*keys.shape[:2], 1)], -1).transpose(1, 2)  # [Hkv, d + 1, n]
+        best = torch.full((hkv, keys.shape[1]), float("-inf"), device=keys.device)  # [Hkv, n]
+        step = score_rows(keys.shape[1])
+        for start in range(0, qa.shape[1], step):
+            torch.maximum(best, torch.bmm(qa[:, start:start + step], ka).amax(dim=1), out=best)
+        return best.exp_()
+
+
+def score_rows(n: int) -> int:
+    """Query rows per scoring block over ``n`` keys: ~4 MB of float32 logits per KV head, 32 to 256
+    rows. Measured on the 2-core machine (bmm + amax, 3 KV heads, 3,000 rows): 128–256 rows best at
+    n = 4k (27 ms), 64–128 at 12k (89–93 ms, at the float32 matmul rate); 8 rows 2.5× slower (the
+    matmul too thin); the unblocked product 3.7× / 3.4× slower (103 / 307 ms)."""
+    return max(32, min(256, (1 << 20) // max(n, 1)))
 
 
 @torch.no_grad()

@@ -284,3 +284,29 @@ def test_max_scores_taken_before_the_exp_are_the_whole_softmax_maxima():
     # logits up to ~10 moves exp by ~1e-6 relative on any processor; 1e-4 leaves margin
     assert torch.allclose(scores[0], want, rtol=1e-4, atol=1e-7)
     assert (scores[0] < 1).all() and (scores[0] > 0).all()
+
+
+def test_scores_in_row_blocks_equal_the_whole_product(monkeypatch):
+    """The recorder scores its rows in blocks (score_rows): blocks of 4 rows (a last one short) and
+    one block of every row give the same scores (the max is exact; only the matmul's summation order
+    may differ with the block's shape)."""
+    from nectar.states import reconstruction
+
+    g = torch.Generator().manual_seed(1)
+    hkv, group, R, n, d = 2, 3, 11, 50, 16
+    recorder = reconstruction._ScoreRecorder([], torch.arange(R), 0.25, "max", torch.zeros(1, hkv, n))
+    qr, total = torch.randn(hkv * group, R, d, generator=g), torch.randn(hkv * group, R, generator=g)
+    keys = torch.randn(hkv, n, d, generator=g)
+    monkeypatch.setattr(reconstruction, "score_rows", lambda n: 10 ** 6)
+    whole = recorder._max_probs(qr, total, keys)
+    monkeypatch.setattr(reconstruction, "score_rows", lambda n: 4)  # 33 rows: 8 blocks of 4 and 1 of 1
+    blocked = recorder._max_probs(qr, total, keys)
+    assert torch.allclose(blocked, whole, rtol=1e-5, atol=0)
+    assert not torch.allclose(blocked, recorder._max_probs(qr[:, :-1], total[:, :-1], keys), rtol=1e-5, atol=0)
+
+
+def test_score_rows_shrink_with_the_keys_within_their_bounds():
+    from nectar.states.reconstruction import score_rows
+
+    assert score_rows(1) == 256 and score_rows(10 ** 6) == 32
+    assert score_rows(4_000) > score_rows(12_000) >= 64
