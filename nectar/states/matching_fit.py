@@ -53,8 +53,12 @@ def fit_log_mass(mass: torch.Tensor, free: torch.Tensor | None = None) -> torch.
     M = mass.float().contiguous()  # [N, p]
     target = None  # [N] the mass the fitted keys must make up: 1, less the fixed keys' share
     if free is not None:
-        target = (1.0 - M[:, _fixed(M.shape[1], free)].sum(1, dtype=torch.float64)).clamp_min(0.0)
-        M = M[:, free].contiguous()  # [N, k]
+        # the fixed keys' share as all keys' less the fitted ones': two reads of [N, p] and [N, k]
+        # instead of a copy of the [N, p − k] fixed columns (most of them, on a long document)
+        sub = M[:, free].contiguous()  # [N, k]
+        fixed_share = M.sum(1, dtype=torch.float64) - sub.sum(1, dtype=torch.float64)  # [N]
+        target = (1.0 - fixed_share).clamp_min(0.0)
+        M = sub
     G = gram(M)  # [k, k]: the fit only needs MᵀM and Mᵀt, so N (thousands of queries) drops out
     mu2 = RIDGE * max(float(G.diagonal().mean()), 1e-12)
     G.diagonal().add_(mu2)  # MᵀM + μ²I
@@ -180,24 +184,36 @@ def fit_values(mass: torch.Tensor, beta: torch.Tensor, targets: torch.Tensor,
     captured outputs ``targets`` [N, d]; ridge towards ``prior`` [p, d] (the kept keys' values).
     ``free`` (``fitted_keys``): only those keys' values are solved, to what the others' (their
     priors) leave; the others keep their priors."""
+    if free is not None:
+        return _fit_some_values(mass, beta, targets, prior, free)
     # softmax over the kept keys of log mass + β, shifted by each row's largest term so float32
     # neither overflows (β up to +27) nor underflows: R is the same as in float64 to ~1e-7
     logits = torch.log(mass.float().clamp_min(1e-38)) + beta.float().unsqueeze(0)  # [N, p]
     R = torch.softmax(logits, dim=1)  # [N, p] compacted attention
     R[mass.float() <= 0] = 0.0
-    if free is not None:
-        return _fit_some_values(R, targets, prior, free)
     return _solve_values(R, targets, prior)
 
 
-def _fit_some_values(R: torch.Tensor, targets: torch.Tensor, prior: torch.Tensor,
+def _fit_some_values(mass: torch.Tensor, beta: torch.Tensor, targets: torch.Tensor, prior: torch.Tensor,
                      free: torch.Tensor) -> torch.Tensor:
     """Z [p, d]: the priors, with the ``free`` keys' rows solved against the targets less the fixed
-    keys' share R_X·prior_X."""
-    fixed = _fixed(R.shape[1], free)
-    rest = targets.float() - R[:, fixed] @ prior[fixed].float()  # [N, d]
+    keys' share of the compacted attention.
+
+    The compacted attention is R[r, j] = mass[r, j]·w_j / Σ_i mass[r, i]·w_i (w = e^β; the softmax of
+    log mass + β, written without the log). On a long document a head keeps up to ~11k keys and solves
+    ~1k, so the [N, p] masses are read twice here (the row sums and the fixed share, both as products)
+    and only the [N, k] fitted columns are formed — where the softmax path made ~8 passes and two
+    copies over [N, p] (docs/benchmarks.md, "The first state's time"). Float64 where the sums are
+    taken: w reaches e^27, the masses 1e-38."""
+    M = mass.float().contiguous()  # [N, p]
+    w = beta.double().exp()  # [p]
+    fixed = _fixed(M.shape[1], free)
+    den = (M @ w.float()).double().clamp_min(1e-300)  # [N] Σ_i mass·w, every kept key
+    fixed_values = prior.double() * (w * fixed).unsqueeze(1)  # [p, d]: w_j·prior_j on the fixed keys, 0 on the free
+    rest = targets.double() - (M @ fixed_values.float()).double() / den.unsqueeze(1)  # [N, d]
+    R = (M[:, free].double() * w[free]) / den.unsqueeze(1)  # [N, k] the fitted keys' compacted attention
     Z = prior.double().clone()
-    Z[free] = _solve_values(R[:, free].contiguous(), rest, prior[free]).double()
+    Z[free] = _solve_values(R.float(), rest.float(), prior[free]).double()
     return Z
 
 

@@ -70,3 +70,26 @@ def test_every_key_kept_with_a_cap_gives_back_the_document():
     mass = _masses(800, 50, 50, 4)
     beta = fit_log_mass(mass, fitted_keys(mass, 10))
     assert beta.abs().max() < 1e-2
+
+
+def test_capped_value_fit_equals_the_softmax_formulation_in_float64():
+    """_fit_some_values writes the compacted attention as mass·w / Σ mass·w (no log, no [N, p]
+    softmax): the same Z as the softmax of log mass + β, the fixed keys' share taken out, in float64 —
+    with a β that spans the stored range (e^±27) and keys no query reaches (mass 0)."""
+    from nectar.states.matching_fit import _solve_values
+
+    mass = _masses(700, 90, 260, 5)
+    mass[:, 7] = 0.0  # a key no fit query reaches
+    g = torch.Generator().manual_seed(6)
+    targets, prior = torch.randn(700, 8, generator=g), torch.randn(90, 8, generator=g)
+    free = fitted_keys(mass, 35)
+    beta = fit_log_mass(mass, free)
+    beta[free[:3]] = torch.tensor([27.0, -27.0, 12.0], dtype=beta.dtype)
+    fixed = torch.ones(90, dtype=torch.bool)
+    fixed[free] = False
+    R = torch.softmax(torch.log(mass.double().clamp_min(1e-300)) + beta.double(), 1)  # [N, p]
+    rest = targets.double() - R[:, fixed] @ prior[fixed].double()
+    want = _solve_values(R[:, free].float(), rest.float(), prior[free]).double()
+    got = fit_values(mass, beta, targets, prior, free)
+    assert torch.allclose(got[free], want, rtol=1e-4, atol=1e-5)
+    assert torch.equal(got[fixed].float(), prior[fixed])
