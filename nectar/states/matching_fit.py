@@ -32,7 +32,9 @@ def fitted_keys(mass: torch.Tensor, cap: int | None) -> torch.Tensor | None:
     and their values: the ridge would hold a key no fit query reaches near there anyway."""
     if cap is None or mass.shape[1] <= cap:
         return None
-    reach = mass.sum(0, dtype=torch.float64)  # [p] each key's mass over the fit queries
+    # [p] each key's mass over the fit queries; a float32 sum (pairwise, ~2e-7 relative) only ranks
+    # them — float64 accumulation read the [N, p] masses 6× slower (0.37 s a head at 6k × 11k)
+    reach = mass.float().sum(0)
     return torch.topk(reach, cap).indices.sort().values
 
 
@@ -56,7 +58,9 @@ def fit_log_mass(mass: torch.Tensor, free: torch.Tensor | None = None) -> torch.
         # the fixed keys' share as all keys' less the fitted ones': two reads of [N, p] and [N, k]
         # instead of a copy of the [N, p − k] fixed columns (most of them, on a long document)
         sub = M[:, free].contiguous()  # [N, k]
-        fixed_share = M.sum(1, dtype=torch.float64) - sub.sum(1, dtype=torch.float64)  # [N]
+        # float32 sums (pairwise: ~2e-7 of the row's mass, 1 at most) — float64 accumulation over the
+        # [N, p] masses took 0.32 s of a long document's head against 0.03 s
+        fixed_share = (M.sum(1) - sub.sum(1)).double()  # [N]
         target = (1.0 - fixed_share).clamp_min(0.0)
         M = sub
     G = gram(M)  # [k, k]: the fit only needs MᵀM and Mᵀt, so N (thousands of queries) drops out
