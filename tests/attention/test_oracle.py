@@ -195,3 +195,21 @@ def test_fused_local_causal_state_agrees_with_exact_math():
     fast = _local_state(q, k, v, None, 0.25)
     exact = attention_state(q, k, v, 0.25, causal_offset=0)
     assert close_reordered(fast.out, exact.out) and close_reordered(fast.lse, exact.lse)
+
+
+def test_prefill_chunk_follows_the_mlp_width_and_chunks_give_the_same_kv(tiny_llama):
+    """The default chunk keeps the MLP activation near 256 MB (at least 2,048 tokens); a document
+    prefilled in chunks of 16 and in one forward gives the same KV."""
+    from types import SimpleNamespace
+
+    from nectar.attention.doc_kv import prefill_chunk
+
+    assert prefill_chunk(SimpleNamespace(intermediate_size=1536, hidden_size=576)) == 43690  # SmolLM2-135M
+    assert prefill_chunk(SimpleNamespace(intermediate_size=6144, hidden_size=2048)) == 10922  # Qwen3-1.7B
+    assert prefill_chunk(SimpleNamespace(intermediate_size=None, hidden_size=10 ** 6)) == 2048
+    layout = build_layout(tiny_llama.tokenizer, "The island was bought by Captain Ilse Brandt in 1871. " * 4)
+    whole = prefill_document(tiny_llama, layout.context_ids)
+    chunked = prefill_document(tiny_llama, layout.context_ids, chunk_tokens=16)
+    assert layout.n > 32
+    for a, b in zip(whole.keys + whole.values, chunked.keys + chunked.values):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-5)
