@@ -205,10 +205,10 @@ def _fit_some_values(mass: torch.Tensor, beta: torch.Tensor, targets: torch.Tens
 
     The compacted attention is R[r, j] = mass[r, j]·w_j / Σ_i mass[r, i]·w_i (w = e^β; the softmax of
     log mass + β, written without the log). On a long document a head keeps up to ~11k keys and solves
-    ~1k, so the [N, p] masses are read twice here (the row sums and the fixed share, both as products)
-    and only the [N, k] fitted columns are formed — where the softmax path made ~8 passes and two
-    copies over [N, p] (docs/benchmarks.md, "The first state's time"). Float64 where the sums are
-    taken: w reaches e^27, the masses 1e-38."""
+    ~1k, so the [N, p] masses are read three times here (Σ mass·w and the fixed share as float32
+    products, the fitted columns' copy) and only [N, k] is formed — where the softmax path made ~8
+    passes and two copies over [N, p] (docs/benchmarks.md, "The first state's time"). The quotients
+    in float64: w reaches e^27, the masses 1e-38 (float32's range holds both products)."""
     M = mass.float().contiguous()  # [N, p]
     w = beta.double().exp()  # [p]
     fixed = _fixed(M.shape[1], free)
