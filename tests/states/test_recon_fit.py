@@ -290,6 +290,7 @@ def test_scores_in_row_blocks_equal_the_whole_product(monkeypatch):
     """The recorder scores its rows in blocks (score_rows): blocks of 4 rows (a last one short) and
     one block of every row give the same scores (the max is exact; only the matmul's summation order
     may differ with the block's shape)."""
+    from float_tolerance import assert_close_reordered, close_reordered
     from nectar.states import reconstruction
 
     g = torch.Generator().manual_seed(1)
@@ -301,8 +302,8 @@ def test_scores_in_row_blocks_equal_the_whole_product(monkeypatch):
     whole = recorder._max_probs(qr, total, keys)
     monkeypatch.setattr(reconstruction, "score_rows", lambda n: 4)  # 33 rows: 8 blocks of 4 and 1 of 1
     blocked = recorder._max_probs(qr, total, keys)
-    assert torch.allclose(blocked, whole, rtol=1e-5, atol=0)
-    assert not torch.allclose(blocked, recorder._max_probs(qr[:, :-1], total[:, :-1], keys), rtol=1e-5, atol=0)
+    assert_close_reordered(blocked, whole, name="scores in blocks")
+    assert not close_reordered(recorder._max_probs(qr[:, :-1], total[:, :-1], keys), whole)  # a row less
 
 
 def test_score_rows_shrink_with_the_keys_within_their_bounds():
