@@ -18,6 +18,8 @@ more keys than fit queries (N) the system is rank-deficient anyway — the ridge
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from scipy.linalg import solve_triangular
 from scipy.optimize import nnls
@@ -34,8 +36,72 @@ def fitted_keys(mass: torch.Tensor, cap: int | None) -> torch.Tensor | None:
         return None
     # [p] each key's mass over the fit queries; a float32 sum (pairwise, ~2e-7 relative) only ranks
     # them — float64 accumulation read the [N, p] masses 6× slower (0.37 s a head at 6k × 11k)
-    reach = mass.float().sum(0)
+    return _most_reached(mass.float().sum(0), cap)
+
+
+def _most_reached(reach: torch.Tensor, cap: int) -> torch.Tensor:
+    """The ``cap`` keys of the largest ``reach`` [p], as ascending indices [cap]."""
     return torch.topk(reach, cap).indices.sort().values
+
+
+MASS_BLOCK = 1 << 20  # float32 masses per row block of ``capped_masses`` (4 MB: stays in the cache)
+
+
+@dataclass(frozen=True)
+class CappedMasses:
+    """What a capped head's fits read of its [N, p] masses: the fitted keys' columns and the fixed keys'
+    sums. The fixed keys keep β = 0 (w = 1), so their share of every fit is a plain sum over them."""
+
+    free: torch.Tensor  # [k] the fitted keys (ascending indices of the p kept)
+    cols: torch.Tensor  # [N, k] float32 mass[:, free]
+    fixed_mass: torch.Tensor  # [N] float32 Σ over the fixed keys of mass[r, j]
+    fixed_out: torch.Tensor | None  # [N, d] float32 Σ over the fixed keys of mass[r, j]·prior_j (None: not asked)
+
+    @classmethod
+    def of(cls, mass: torch.Tensor, free: torch.Tensor, prior: torch.Tensor | None = None) -> "CappedMasses":
+        """From masses already formed [N, p] (and the priors [p, d] when the value fit follows)."""
+        M = mass.float()
+        fixed = _fixed(M.shape[1], free).float()  # [p]
+        sums = M @ (fixed.unsqueeze(1) if prior is None else torch.cat([prior.float() * fixed.unsqueeze(1),
+                                                                          fixed.unsqueeze(1)], 1))
+        return cls(free, M[:, free].contiguous(), sums[:, -1], None if prior is None else sums[:, :-1])
+
+
+def capped_masses(q: torch.Tensor, alpha: torch.Tensor, keys: torch.Tensor, prior: torch.Tensor, scaling: float,
+                  cap: int | None) -> CappedMasses | None:
+    """A head's ``CappedMasses`` from its fit queries q [N, d], α [N] and kept keys [p, d] (priors [p, d]),
+    or None when it keeps at most ``cap`` keys (its fit reads the whole masses: ``attention_probs``).
+
+    The masses exp(s·q·k − α) are formed in row blocks of ``MASS_BLOCK`` and never as a whole: once to
+    rank the keys by their summed mass (``fitted_keys``), once more for the fitted columns and the fixed
+    keys' sums — two products of N·p·d. The whole [N, p] (up to 6,144 × 11k, 280 MB a head on a long
+    document) took longer to write and read back than to compute: every pass over it ran from memory,
+    and a fresh buffer that size costs ~0.2 s of page faults on a VM (docs/benchmarks.md)."""
+    N, p = q.shape[0], keys.shape[0]
+    if cap is None or p <= cap:
+        return None
+    qf, neg_alpha, kT = q.float(), alpha.float().neg().unsqueeze(1), keys.float().T  # [N, d], [N, 1], [d, p]
+    step = max(1, MASS_BLOCK // p)
+    buf = torch.empty(min(step, N), p)  # [rows, p] one block of masses, reused
+
+    def block(start: int) -> torch.Tensor:  # [rows, p] exp(s·q·k − α) of rows start … start + step
+        end = min(start + step, N)
+        out = buf[:end - start]
+        torch.addmm(neg_alpha[start:end], qf[start:end], kT, alpha=scaling, out=out)
+        return out.exp_()
+
+    reach = torch.zeros(p)  # [p] each key's summed mass (the ranking of ``fitted_keys``)
+    for start in range(0, N, step):
+        reach += block(start).sum(0)
+    free = _most_reached(reach, cap)
+    fixed = _fixed(p, free).float().unsqueeze(1)  # [p, 1]
+    fixed_sums = torch.cat([prior.float() * fixed, fixed], 1)  # [p, d + 1]: the fixed priors, and a 1 to count them
+    cols, sums = torch.empty(N, free.numel()), torch.empty(N, fixed_sums.shape[1])
+    for start in range(0, N, step):
+        masses = block(start)
+        torch.mm(masses, fixed_sums, out=sums[start:start + step])
+        torch.index_select(masses, 1, free, out=cols[start:start + step])
+    return CappedMasses(free, cols, sums[:, -1].contiguous(), sums[:, :-1].contiguous())
 
 
 def _fixed(p: int, free: torch.Tensor) -> torch.Tensor:
@@ -52,30 +118,32 @@ def fit_log_mass(mass: torch.Tensor, free: torch.Tensor | None = None) -> torch.
     head are often nearly collinear), the one closest to the plain kept keys — so keeping every key
     gives back exactly the document's state. ``free`` (``fitted_keys``): only those keys' β are
     fitted, to the mass the others (β = 0) leave; theirs stay 0."""
-    M = mass.float().contiguous()  # [N, p]
-    target = None  # [N] the mass the fitted keys must make up: 1, less the fixed keys' share
     if free is not None:
-        # the fixed keys' share as all keys' less the fitted ones': two reads of [N, p] and [N, k]
-        # instead of a copy of the [N, p − k] fixed columns (most of them, on a long document)
-        sub = M[:, free].contiguous()  # [N, k]
-        # float32 sums (pairwise: ~2e-7 of the row's mass, 1 at most) — float64 accumulation over the
-        # [N, p] masses took 0.32 s of a long document's head against 0.03 s
-        fixed_share = (M.sum(1) - sub.sum(1)).double()  # [N]
-        target = (1.0 - fixed_share).clamp_min(0.0)
-        M = sub
+        return capped_log_mass(CappedMasses.of(mass, free), mass.shape[1])
+    return _solve_log_mass(mass.float().contiguous(), None)
+
+
+def capped_log_mass(masses: CappedMasses, p: int) -> torch.Tensor:
+    """``fit_log_mass`` of a capped head: β [p] float64, fitted on ``masses.free`` to the mass the fixed
+    keys (β = 0) leave, 0 elsewhere."""
+    # 1 less the fixed keys' share: the mass the fitted keys must make up [N]
+    target = (1.0 - masses.fixed_mass).clamp_min(0.0)
+    out = torch.zeros(p, dtype=torch.float64)  # [p]: β = 0 on the fixed keys
+    out[masses.free] = _solve_log_mass(masses.cols, target)
+    return out
+
+
+def _solve_log_mass(M: torch.Tensor, target: torch.Tensor | None) -> torch.Tensor:
+    """β [k] float64 with Σ_j e^{β_j} M[r, j] ≈ target[r] (1 when None) by the ridged NNLS, M [N, k] float32."""
     G = gram(M)  # [k, k]: the fit only needs MᵀM and Mᵀt, so N (thousands of queries) drops out
     mu2 = RIDGE * max(float(G.diagonal().mean()), 1e-12)
     G.diagonal().add_(mu2)  # MᵀM + μ²I
-    # Mᵀ1 + μ²·1 (Mᵀt + μ²·1 with fixed keys)
-    rhs = (M.sum(0, dtype=torch.float64) if target is None else M.double().T @ target) + mu2
+    # Mᵀ1 + μ²·1 (Mᵀt + μ²·1 with fixed keys): float32 products (each entry a sum of N terms, ~1e-7
+    # relative — the Gram's own precision) where a float64 copy of M cost more than the fit's Gram
+    rhs = (M.sum(0, dtype=torch.float64) if target is None else (M.T @ target.float()).double()) + mu2
     # ‖Mw − t‖² + μ²‖w − 1‖² = wᵀGw − 2 rhsᵀw + const: a strictly convex QP over w ≥ 0 (the same
     # NNLS as ‖Lᵀw − L⁻¹rhs‖² with G = LLᵀ), solved exactly by block principal pivoting on G.
-    beta = torch.log(nnls_gram(G, rhs).clamp_min(MIN_MASS)).cpu()  # [k] float64
-    if free is None:
-        return beta
-    out = torch.zeros(mass.shape[1], dtype=torch.float64)  # [p]: β = 0 on the fixed keys
-    out[free] = beta
-    return out
+    return torch.log(nnls_gram(G, rhs).clamp_min(MIN_MASS)).cpu()  # [k] float64
 
 
 def nnls_gram(G: torch.Tensor, rhs: torch.Tensor, max_iter: int = 100) -> torch.Tensor:
@@ -200,24 +268,31 @@ def fit_values(mass: torch.Tensor, beta: torch.Tensor, targets: torch.Tensor,
 
 def _fit_some_values(mass: torch.Tensor, beta: torch.Tensor, targets: torch.Tensor, prior: torch.Tensor,
                      free: torch.Tensor) -> torch.Tensor:
-    """Z [p, d]: the priors, with the ``free`` keys' rows solved against the targets less the fixed
-    keys' share of the compacted attention.
+    """``fit_values`` of a capped head from its formed masses [N, p] (``capped_values``)."""
+    return capped_values(CappedMasses.of(mass, free, prior), beta, targets, prior)
+
+
+def capped_values(masses: CappedMasses, beta: torch.Tensor, targets: torch.Tensor, prior: torch.Tensor
+                  ) -> torch.Tensor:
+    """Z [p, d] float64 of a capped head: the priors, with the fitted keys' rows solved against the
+    targets [N, d] less the fixed keys' share of the compacted attention. ``beta`` [p] is 0 on the fixed
+    keys (``capped_log_mass``; a ValueError otherwise).
 
     The compacted attention is R[r, j] = mass[r, j]·w_j / Σ_i mass[r, i]·w_i (w = e^β; the softmax of
-    log mass + β, written without the log). On a long document a head keeps up to ~11k keys and solves
-    ~1k, so the [N, p] masses are read three times here (Σ mass·w and the fixed share as float32
-    products, the fitted columns' copy) and only [N, k] is formed — where the softmax path made ~8
-    passes and two copies over [N, p] (docs/benchmarks.md, "The first state's time"). The quotients
-    in float64: w reaches e^27, the masses 1e-38 (float32's range holds both products)."""
-    M = mass.float().contiguous()  # [N, p]
-    w = beta.double().exp()  # [p]
-    fixed = _fixed(M.shape[1], free)
-    den = (M @ w.float()).double().clamp_min(1e-300)  # [N] Σ_i mass·w, every kept key
-    fixed_values = prior.double() * (w * fixed).unsqueeze(1)  # [p, d]: w_j·prior_j on the fixed keys, 0 on the free
-    rest = targets.double() - (M @ fixed_values.float()).double() / den.unsqueeze(1)  # [N, d]
-    R = (M[:, free].double() * w[free]) / den.unsqueeze(1)  # [N, k] the fitted keys' compacted attention
+    log mass + β, written without the log), and w = 1 on the fixed keys, so their share is the sums
+    ``CappedMasses`` carries: only the fitted [N, k] columns are read (docs/benchmarks.md, "The first
+    state's time"). In float32: w reaches e^27 and the masses 1e-38, so mass·w stays in float32's range,
+    and a quotient carries ~1e-7 relative rounding — the Gram's own."""
+    free = masses.free
+    fixed = _fixed(beta.shape[0], free)
+    if beta[fixed].any():
+        raise ValueError("the capped value fit needs β = 0 on the keys it does not fit (capped_log_mass's)")
+    w = beta[free].double().exp().float()  # [k]
+    den = (masses.cols @ w + masses.fixed_mass).clamp_min(1e-38).unsqueeze(1)  # [N, 1] Σ_i mass·w, every kept key
+    rest = targets.float() - masses.fixed_out / den  # [N, d] what the fitted keys must make up
+    R = (masses.cols * w).div_(den)  # [N, k] the fitted keys' compacted attention
     Z = prior.double().clone()
-    Z[free] = _solve_values(R.float(), rest.float(), prior[free]).double()
+    Z[free] = _solve_values(R, rest, prior[free]).double()
     return Z
 
 

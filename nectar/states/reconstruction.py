@@ -37,7 +37,7 @@ from ..modules.provider import group_queries
 from ..modules.stored import quantize_module_
 from ..quantization import fake_quantize
 from ..targets.capture import pack
-from .matching_fit import fit_log_mass, fit_values, fitted_keys
+from .matching_fit import capped_log_mass, capped_masses, capped_values, fit_log_mass, fit_values
 from .selection import attention_probs
 
 RECON_BATCH_TOKENS = 1024  # query tokens per scoring forward (bounds the [Hq, T, n] probabilities)
@@ -340,12 +340,17 @@ class _HeadFit:
         """(β [c], values [c, d], seconds of the β fit, seconds of the value solve); at most ``cap``
         keys solved jointly (the rest keep β = 0 and their values)."""
         start = time.perf_counter()
-        mass = attention_probs(self.q, self.alpha, self.keys, scaling)  # [T·g, c]
-        free = fitted_keys(mass, cap)  # [k] or None (all c)
-        beta = log_mass(fit_log_mass(mass, free))
+        # over the cap: the fitted keys' masses and the fixed keys' sums, in row blocks; else None
+        capped = capped_masses(self.q, self.alpha, self.keys, self.values, scaling, cap)
+        if capped is None:
+            mass = attention_probs(self.q, self.alpha, self.keys, scaling)  # [T·g, c]
+            beta = log_mass(fit_log_mass(mass))
+        else:
+            beta = log_mass(capped_log_mass(capped, self.keys.shape[0]))
         mid = time.perf_counter()
-        Z = fit_values(mass, beta, self.A, self.values, free).float()
-        return beta.float(), Z, mid - start, time.perf_counter() - mid
+        Z = fit_values(mass, beta, self.A, self.values) if capped is None else \
+            capped_values(capped, beta, self.A, self.values)
+        return beta.float(), Z.float(), mid - start, time.perf_counter() - mid
 
 
 def run_per_head(fn, tasks: list, cost) -> list:

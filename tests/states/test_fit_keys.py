@@ -4,6 +4,7 @@ and the fits target what those fixed keys leave. The capped fit is the full fit 
 on the fixed keys, so its objective lies between the full fit's and the unfitted keys'."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from nectar.states.matching_fit import RIDGE, fit_log_mass, fit_values, fitted_keys
@@ -94,3 +95,61 @@ def test_capped_value_fit_equals_the_softmax_formulation_in_float64():
     got = fit_values(mass, beta, targets, prior, free)
     assert_close_reordered(got[free], want, FORWARD, name="capped value fit")  # a solve: a deep reordering
     assert torch.equal(got[fixed].float(), prior[fixed])
+
+
+def _head(n_queries: int, kept: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """q [N, 16], α [N] (over twice the kept keys), kept keys [kept, 16], their values [kept, 8]."""
+    g = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(n_queries, 16, generator=g), torch.randn(2 * kept, 16, generator=g)
+    alpha = torch.logsumexp(q @ k.T * 0.5, 1)
+    return q, alpha, k[:kept].contiguous(), torch.randn(kept, 8, generator=g)
+
+
+def test_capped_masses_in_row_blocks_equal_the_masses_formed_whole(monkeypatch):
+    """capped_masses forms the masses a few rows at a time (twice: ranking, then columns and sums): the
+    same fitted keys, columns and fixed sums as CappedMasses.of the whole [N, p] masses."""
+    from float_tolerance import assert_close_reordered
+    from nectar.states import matching_fit
+    from nectar.states.selection import attention_probs
+
+    q, alpha, keys, prior = _head(300, 90, 7)
+    monkeypatch.setattr(matching_fit, "MASS_BLOCK", 7 * 90)  # 7 rows a block: 43 blocks, a ragged last one
+    assert matching_fit.capped_masses(q, alpha, keys, prior, 0.5, 90) is None  # under the cap: not capped
+    got = matching_fit.capped_masses(q, alpha, keys, prior, 0.5, 30)
+    mass = attention_probs(q, alpha, keys, 0.5)
+    want = matching_fit.CappedMasses.of(mass, fitted_keys(mass, 30), prior)
+    assert torch.equal(got.free, want.free)
+    for name in ("cols", "fixed_mass", "fixed_out"):
+        assert_close_reordered(getattr(got, name), getattr(want, name), name=name)
+    fixed = torch.ones(90, dtype=torch.bool)
+    fixed[got.free] = False
+    assert_close_reordered(got.fixed_mass, mass[:, fixed].sum(1), name="fixed mass")  # the sums are the fixed keys'
+    assert not torch.allclose(got.fixed_mass, mass.sum(1))  # and not every key's: the check can fail
+
+
+def test_capped_fit_from_blocks_equals_the_fit_from_whole_masses(monkeypatch):
+    """β and values fitted from the row-blocked masses (what the first state runs) equal fit_log_mass
+    and fit_values on the whole masses with the same cap."""
+    from float_tolerance import assert_close_reordered
+    from nectar.states import matching_fit
+    from nectar.states.selection import attention_probs
+
+    q, alpha, keys, prior = _head(400, 80, 8)
+    targets = torch.randn(400, 8, generator=torch.Generator().manual_seed(9))
+    monkeypatch.setattr(matching_fit, "MASS_BLOCK", 16 * 80)
+    capped = matching_fit.capped_masses(q, alpha, keys, prior, 0.5, 25)
+    beta = matching_fit.capped_log_mass(capped, 80)
+    mass = attention_probs(q, alpha, keys, 0.5)
+    free = fitted_keys(mass, 25)
+    assert_close_reordered(beta, fit_log_mass(mass, free), 1e-4, name="capped beta")  # a solve: deeper reordering
+    assert_close_reordered(matching_fit.capped_values(capped, beta, targets, prior),
+                           fit_values(mass, beta, targets, prior, free), 1e-4, name="capped values")
+
+
+def test_capped_value_fit_refuses_a_beta_on_the_fixed_keys():
+    mass = _masses(200, 40, 80, 10)
+    free = fitted_keys(mass, 10)
+    beta = fit_log_mass(mass, free)
+    beta[[i for i in range(40) if i not in set(free.tolist())][0]] = 0.5
+    with pytest.raises(ValueError, match="β = 0 on the keys it does not fit"):
+        fit_values(mass, beta, torch.randn(200, 8), torch.randn(40, 8), free)
