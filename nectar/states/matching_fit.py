@@ -72,36 +72,31 @@ def capped_masses(q: torch.Tensor, alpha: torch.Tensor, keys: torch.Tensor, prio
     """A head's ``CappedMasses`` from its fit queries q [N, d], α [N] and kept keys [p, d] (priors [p, d]),
     or None when it keeps at most ``cap`` keys (its fit reads the whole masses: ``attention_probs``).
 
-    The masses exp(s·q·k − α) are formed in row blocks of ``MASS_BLOCK`` and never as a whole: once to
-    rank the keys by their summed mass (``fitted_keys``), once more for the fitted columns and the fixed
-    keys' sums — two products of N·p·d. The whole [N, p] (up to 6,144 × 11k, 280 MB a head on a long
-    document) took longer to write and read back than to compute: every pass over it ran from memory,
-    and a fresh buffer that size costs ~0.2 s of page faults on a VM (docs/benchmarks.md)."""
+    The masses exp(s·q·k − α) over all p keys are formed in row blocks of ``MASS_BLOCK`` and never as a
+    whole: one pass sums each key's (the ranking of ``fitted_keys``) and each row's, with and without the
+    priors; the fitted columns are then formed on their own (N·k), and the fixed keys' sums are the rows'
+    less the fitted columns' (~1e-7 of the row's mass: float32's rounding of the sums themselves). The
+    whole [N, p] (up to 6,144 × 11k, 280 MB a head on a long document) took longer to write and read
+    back than to compute — every pass over it ran from memory, and a fresh buffer that size costs ~0.2 s
+    of page faults on a VM (docs/benchmarks.md)."""
     N, p = q.shape[0], keys.shape[0]
     if cap is None or p <= cap:
         return None
     qf, neg_alpha, kT = q.float(), alpha.float().neg().unsqueeze(1), keys.float().T  # [N, d], [N, 1], [d, p]
+    with_one = torch.cat([prior.float(), torch.ones(p, 1)], 1)  # [p, d + 1]: the priors, and a 1 to count the mass
     step = max(1, MASS_BLOCK // p)
-    buf = torch.empty(min(step, N), p)  # [rows, p] one block of masses, reused
-
-    def block(start: int) -> torch.Tensor:  # [rows, p] exp(s·q·k − α) of rows start … start + step
-        end = min(start + step, N)
-        out = buf[:end - start]
-        torch.addmm(neg_alpha[start:end], qf[start:end], kT, alpha=scaling, out=out)
-        return out.exp_()
-
+    block = torch.empty(min(step, N), p)  # [rows, p] one block of masses, reused
     reach = torch.zeros(p)  # [p] each key's summed mass (the ranking of ``fitted_keys``)
+    totals = torch.empty(N, with_one.shape[1])  # [N, d + 1] Σ_j mass·prior_j and Σ_j mass, every kept key
     for start in range(0, N, step):
-        reach += block(start).sum(0)
+        end = min(start + step, N)
+        masses = torch.addmm(neg_alpha[start:end], qf[start:end], kT, alpha=scaling, out=block[:end - start]).exp_()
+        reach += masses.sum(0)
+        torch.mm(masses, with_one, out=totals[start:end])
     free = _most_reached(reach, cap)
-    fixed = _fixed(p, free).float().unsqueeze(1)  # [p, 1]
-    fixed_sums = torch.cat([prior.float() * fixed, fixed], 1)  # [p, d + 1]: the fixed priors, and a 1 to count them
-    cols, sums = torch.empty(N, free.numel()), torch.empty(N, fixed_sums.shape[1])
-    for start in range(0, N, step):
-        masses = block(start)
-        torch.mm(masses, fixed_sums, out=sums[start:start + step])
-        torch.index_select(masses, 1, free, out=cols[start:start + step])
-    return CappedMasses(free, cols, sums[:, -1].contiguous(), sums[:, :-1].contiguous())
+    cols = torch.addmm(neg_alpha, qf, kT[:, free], alpha=scaling).exp_()  # [N, k] the fitted keys' masses
+    fixed = totals - cols @ with_one[free]  # [N, d + 1] the fixed keys' sums
+    return CappedMasses(free, cols, fixed[:, -1].clamp_min(0.0), fixed[:, :-1].contiguous())
 
 
 def _fixed(p: int, free: torch.Tensor) -> torch.Tensor:
