@@ -155,12 +155,15 @@ def run_one(n_tokens: int, nnls_log: list, scipy_every: int = 0, overrides: tupl
     attn = 3 * 2 * L * hq * T * n * d
     linear = 2 * 1.35e8 * T
     counts["recon_gflop"] = round((attn + linear) / 1e9, 1)
-    # the fit's FLOPs, per (layer, KV head) solving c keys jointly (the β fit's Gram size: with a cap,
-    # fit_keys, the keys solved, not kept) and N = 2048 · g fit queries. In float32 (matching_fit.gram):
-    # the masses 2Ncd, the outputs' projection 2Ncd and the two Gram matrices by syrk (N·c² each: half a
-    # general product); in float64: the Cholesky factorizations, one per fit (c³/3 each)
+    # the fit's FLOPs, N = 2048 · g fit queries. In float32: the masses over EVERY key a head keeps (p,
+    # kept_keys summed over heads: the logits 2Npd and the rows' sums with the values 2Npd — the cap
+    # does not shrink them), then per head the c keys solved jointly (the β fit's Gram size: with a cap,
+    # fit_keys) — their columns or the compacted attention's products 2Ncd and the two Gram matrices by
+    # syrk (matching_fit.gram: N·c² each, half a general product); in float64: the Cholesky
+    # factorizations, one per fit (c³/3 each). Before 2026-11-28 the masses were priced at c, not p.
     N, d = 2048 * (hq // base.num_kv_heads), base.head_dim
-    counts["fit_gflop32"] = round(sum(4 * N * c * d + 2 * N * c * c for c in sizes) / 1e9, 1)
+    counts["fit_gflop32"] = round((4 * N * d * counts["kept_keys"] + sum(2 * N * c * d + 2 * N * c * c for c in sizes))
+                                  / 1e9, 1)
     counts["fit_gflop64"] = round(sum(2 * c ** 3 / 3 for c in sizes) / 1e9, 1)
     counts["torch_threads"] = torch.get_num_threads()
     return counts
