@@ -85,28 +85,30 @@ class _ScoreRecorder:
         """[Hkv, n]: max over the rows and a KV head's query heads of exp(s·q·k − total).
 
         max_r exp(x_r) = exp(max_r x_r), so the max is taken before the exp, and −total is folded into
-        the product as one more dimension ([s·q, −total]·[k, 1]). The rows go through in blocks of
-        ``score_rows(n)``: a [Hkv, rows, n] logit block stays in the core's cache between the matmul
-        that writes it and the max that reads it, where the whole [Hkv, g·R, n] (450 MB per layer at
-        R = 1k rows and n = 12k keys) went out to memory and back — the scoring was memory-bound, 3.4×
-        slower at 12k keys (benchmarks/first_state_scaling.py; docs/benchmarks.md). The max is exact,
-        so the blocks change only the matmul's summation order."""
+        the product as one more dimension ([s·q, −total]·[k, 1]). The keys go through in blocks of
+        ``score_keys(g·R)``: a [Hkv, keys, g·R] logit block stays in the cache between the matmul that
+        writes it and the max that reads it along its rows — contiguous, where a block of query rows
+        maxed down its columns ran at half the speed (benchmarks/first_state_scaling.py;
+        docs/benchmarks.md), and the whole [Hkv, g·R, n] (450 MB per layer at R = 1k rows and n = 12k
+        keys) went out to memory and back. The max is exact, so the blocks change only the matmul's
+        summation order."""
         hkv, (hq, R, d) = keys.shape[0], qr.shape
         qa = torch.cat([qr * self.scaling, -total.unsqueeze(-1)], -1).reshape(hkv, hq // hkv * R, d + 1)
-        ka = torch.cat([keys, keys.new_ones(*keys.shape[:2], 1)], -1).transpose(1, 2)  # [Hkv, d + 1, n]
-        best = torch.full((hkv, keys.shape[1]), float("-inf"), device=keys.device)  # [Hkv, n]
-        step = score_rows(keys.shape[1])
-        for start in range(0, qa.shape[1], step):
-            torch.maximum(best, torch.bmm(qa[:, start:start + step], ka).amax(dim=1), out=best)
+        qa = qa.transpose(1, 2).contiguous()  # [Hkv, d + 1, g·R]
+        ka = torch.cat([keys, keys.new_ones(*keys.shape[:2], 1)], -1)  # [Hkv, n, d + 1]
+        n = keys.shape[1]
+        best = torch.empty(hkv, n, device=keys.device)  # [Hkv, n]
+        step = score_keys(qa.shape[2])
+        for start in range(0, n, step):
+            best[:, start:start + step] = torch.bmm(ka[:, start:start + step], qa).amax(dim=2)
         return best.exp_()
 
 
-def score_rows(n: int) -> int:
-    """Query rows per scoring block over ``n`` keys: ~4 MB of float32 logits per KV head, 32 to 256
-    rows. Measured on the 2-core machine (bmm + amax, 3 KV heads, 3,000 rows): 128–256 rows best at
-    n = 4k (27 ms), 64–128 at 12k (89–93 ms, at the float32 matmul rate); 8 rows 2.5× slower (the
-    matmul too thin); the unblocked product 3.7× / 3.4× slower (103 / 307 ms)."""
-    return max(32, min(256, (1 << 20) // max(n, 1)))
+def score_keys(rows: int) -> int:
+    """Keys per scoring block against ``rows`` query rows (g·R): ~4 MB of float32 logits per KV head,
+    32 to 512 keys. Measured on the 2-core AMD VM (bmm + max, 3 KV heads, 3,000 rows, 11,485 keys, under
+    a load of 2): 256–512 keys a block 1.5–2× faster than the row blocks it replaced, 1,024 slower."""
+    return max(32, min(512, (1 << 20) // max(rows, 1)))
 
 
 @torch.no_grad()

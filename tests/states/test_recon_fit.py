@@ -286,9 +286,9 @@ def test_max_scores_taken_before_the_exp_are_the_whole_softmax_maxima():
     assert (scores[0] < 1).all() and (scores[0] > 0).all()
 
 
-def test_scores_in_row_blocks_equal_the_whole_product(monkeypatch):
-    """The recorder scores its rows in blocks (score_rows): blocks of 4 rows (a last one short) and
-    one block of every row give the same scores (the max is exact; only the matmul's summation order
+def test_scores_in_key_blocks_equal_the_whole_product(monkeypatch):
+    """The recorder scores the keys in blocks (score_keys): blocks of 4 keys (a last one short) and
+    one block of every key give the same scores (the max is exact; only the matmul's summation order
     may differ with the block's shape)."""
     from float_tolerance import assert_close_reordered, close_reordered
     from nectar.states import reconstruction
@@ -298,16 +298,16 @@ def test_scores_in_row_blocks_equal_the_whole_product(monkeypatch):
     recorder = reconstruction._ScoreRecorder([], torch.arange(R), 0.25, "max", torch.zeros(1, hkv, n))
     qr, total = torch.randn(hkv * group, R, d, generator=g), torch.randn(hkv * group, R, generator=g)
     keys = torch.randn(hkv, n, d, generator=g)
-    monkeypatch.setattr(reconstruction, "score_rows", lambda n: 10 ** 6)
+    monkeypatch.setattr(reconstruction, "score_keys", lambda rows: 10 ** 6)
     whole = recorder._max_probs(qr, total, keys)
-    monkeypatch.setattr(reconstruction, "score_rows", lambda n: 4)  # 33 rows: 8 blocks of 4 and 1 of 1
+    monkeypatch.setattr(reconstruction, "score_keys", lambda rows: 4)  # 50 keys: 12 blocks of 4 and 1 of 2
     blocked = recorder._max_probs(qr, total, keys)
     assert_close_reordered(blocked, whole, name="scores in blocks")
     assert not close_reordered(recorder._max_probs(qr[:, :-1], total[:, :-1], keys), whole)  # a row less
 
 
-def test_score_rows_shrink_with_the_keys_within_their_bounds():
-    from nectar.states.reconstruction import score_rows
+def test_score_keys_shrink_with_the_rows_within_their_bounds():
+    from nectar.states.reconstruction import score_keys
 
-    assert score_rows(1) == 256 and score_rows(10 ** 6) == 32
-    assert score_rows(4_000) > score_rows(12_000) >= 64
+    assert score_keys(1) == 512 and score_keys(10 ** 6) == 32
+    assert score_keys(1_000) > score_keys(3_000) >= 256
