@@ -106,8 +106,9 @@ class _ScoreRecorder:
 
 def score_keys(rows: int) -> int:
     """Keys per scoring block against ``rows`` query rows (g·R): ~4 MB of float32 logits per KV head,
-    32 to 512 keys. Measured on the 2-core AMD VM (bmm + max, 3 KV heads, 3,000 rows, 11,485 keys, under
-    a load of 2): 256–512 keys a block 1.5–2× faster than the row blocks it replaced, 1,024 slower."""
+    32 to 512 keys. Measured on the 2-core AMD VM (``_max_probs``, 3 KV heads, 3,000 rows, alternating
+    with the row blocks it replaced, beside the test suite at load 1–2): 0.35–0.74 s against 1.49–1.60 s
+    at 11,485 keys, level at 3,652 (0.24–0.29 s); 256–512 keys a block best, 1,024 slower."""
     return max(32, min(512, (1 << 20) // max(rows, 1)))
 
 
