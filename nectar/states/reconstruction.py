@@ -106,9 +106,10 @@ class _ScoreRecorder:
 
 def score_keys(rows: int) -> int:
     """Keys per scoring block against ``rows`` query rows (g·R): ~4 MB of float32 logits per KV head,
-    32 to 512 keys. Measured on the 2-core AMD VM (``_max_probs``, 3 KV heads, 3,000 rows, alternating
-    with the row blocks it replaced, beside the test suite at load 1–2): 0.35–0.74 s against 1.49–1.60 s
-    at 11,485 keys, level at 3,652 (0.24–0.29 s); 256–512 keys a block best, 1,024 slower."""
+    32 to 512 keys. Measured on the 2-core AMD VM (``_max_probs``, 3 KV heads, 11,485 keys, alternating
+    with the row blocks it replaced): idle at 2,640 rows 105–120 ms against 185–260 ms (the matmul's rate
+    against half of it); beside the test suite at 3,000 rows 0.35–0.74 s against 1.49–1.60 s; level at
+    3,652 keys; 256–512 keys a block best, 1,024 slower."""
     return max(32, min(512, (1 << 20) // max(rows, 1)))
 
 
