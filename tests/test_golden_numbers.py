@@ -4,10 +4,10 @@ The tiny random Llama (seeded by its name), the sample document and its hand-wri
 through the real targets stage, the closed-form baselines and a short training run; the test then
 compares the KL to the full-context model, the recovered KL and the bytes with the numbers below.
 A behaviour change (capture, the merge, the initialisers, the loop, the loss, the data order) shows
-here as a diff, not as "still passes". The tolerances (TOLERANCE: relative 1e-4 with an absolute
-floor for the closed-form figures, ten times looser after training steps) hold across CPUs, whose
-kernels sum in different orders; they are far below any real change (a different ρ or seed moves
-these figures by percent).
+here as a diff, not as "still passes". The tolerances (TOLERANCE: relative 1e-4 for the exact
+figures; for the closed-form fit's and the trained module's, twice what two CPUs were measured apart,
+see there) hold across CPUs, whose kernels sum in different orders; they are far below any real change
+(a different ρ or seed moves these figures by percent).
 
 If a change is meant to move them, rerun `python tests/test_golden_numbers.py` and paste the
 printed dictionary over GOLDEN, saying why in the commit.
@@ -58,9 +58,13 @@ TOLERANCE = {
     "kl_none": (1e-4, 1e-9), "kl_evict": (1e-4, 1e-9),
     # the closed-form fit forms its Gram matrices in float32 (matching_fit.gram): a BLAS that sums in
     # another order moves G by ~1e-7 relative, which the solve's conditioning can amplify; the fit's KL
-    # of ~1e-6 moved 7 % between float64 and float32 Grams, so a few percent is the cross-CPU floor
-    "kl_attention_matching": (3e-2, 1e-9), "recovered_attention_matching": (0, 2e-5),
-    "kl_trained": (1e-2, 1e-8), "recovered_trained": (0, 1e-5), "heldout_loss_trained": (1e-3, 0),
+    # of ~1e-6 moved 7 % between float64 and float32 Grams. Measured across CPUs with the same code
+    # (5bc83bf): an AMD EPYC (AVX2) gives kl_attention_matching 1.0073e-6 against the Intel golden's
+    # 1.0676e-6 (5.6 %), recovered 2.0e-5 apart, kl_trained 2.3 % and recovered_trained 7.1e-5 apart —
+    # so the bounds are twice those; a real change (another ρ or seed) moves these by percent of the
+    # recovered share, 100× more
+    "kl_attention_matching": (0.12, 1e-9), "recovered_attention_matching": (0, 1e-4),
+    "kl_trained": (5e-2, 1e-8), "recovered_trained": (0, 2e-4), "heldout_loss_trained": (1e-3, 0),
 }
 
 
