@@ -24,6 +24,8 @@ import torch
 from scipy.linalg import solve_triangular
 from scipy.optimize import nnls
 
+from .selection import attention_probs
+
 MIN_MASS = 1e-12  # w_j floor: β ≥ log(1e-12) ≈ −27.6, a key that no query needs contributes nothing
 RIDGE = 1e-3  # ridges (masses towards β = 0, values towards the kept values), relative to the Gram diagonal
 
@@ -84,7 +86,6 @@ def capped_masses(q: torch.Tensor, alpha: torch.Tensor, keys: torch.Tensor, prio
     N, p = q.shape[0], keys.shape[0]
     if cap is None or p <= cap:
         return None
-    qf, neg_alpha, kT = q.float(), alpha.float().neg().unsqueeze(1), keys.float().T  # [N, d], [N, 1], [d, p]
     with_one = torch.cat([prior.float(), torch.ones(p, 1)], 1)  # [p, d + 1]: the priors, and a 1 to count the mass
     step = max(1, MASS_BLOCK // p)
     block = torch.empty(min(step, N), p)  # [rows, p] one block of masses, reused
@@ -92,11 +93,11 @@ def capped_masses(q: torch.Tensor, alpha: torch.Tensor, keys: torch.Tensor, prio
     totals = torch.empty(N, with_one.shape[1])  # [N, d + 1] Σ_j mass·prior_j and Σ_j mass, every kept key
     for start in range(0, N, step):
         end = min(start + step, N)
-        masses = torch.addmm(neg_alpha[start:end], qf[start:end], kT, alpha=scaling, out=block[:end - start]).exp_()
+        masses = attention_probs(q[start:end], alpha[start:end], keys, scaling, out=block[:end - start])
         reach += masses.sum(0)
         torch.mm(masses, with_one, out=totals[start:end])
     free = _most_reached(reach, cap)
-    cols = torch.addmm(neg_alpha, qf, kT[:, free], alpha=scaling).exp_()  # [N, k] the fitted keys' masses
+    cols = attention_probs(q, alpha, keys[free], scaling)  # [N, k] the fitted keys' masses
     fixed = totals - cols @ with_one[free]  # [N, d + 1] the fixed keys' sums
     return CappedMasses(free, cols, fixed[:, -1].clamp_min(0.0), fixed[:, :-1].contiguous())
 

@@ -15,12 +15,15 @@ import torch
 KeyScore = Literal["mean", "max"]
 
 
-def attention_probs(q: torch.Tensor, alpha: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
-    """q [N, d], alpha [N], keys [n, d] → each query's attention over the document keys [N, n] (rows sum to 1)."""
-    logits = q.float() @ keys.float().T  # [N, n]
-    # in place: the same operations in the same order, without two more [N, n] buffers (a long
-    # document's head: 6,144 fit queries × 11k kept keys, 280 MB each)
-    return logits.mul_(scaling).sub_(alpha.float().unsqueeze(1)).exp_()  # [N, n] float32: ranks and fits need no more
+def attention_probs(q: torch.Tensor, alpha: torch.Tensor, keys: torch.Tensor, scaling: float,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [N, d], alpha [N], keys [n, d] → each query's attention over the document keys [N, n] (rows sum
+    to 1), written into ``out`` [N, n] when given (a caller's reused block)."""
+    # one product that scales and subtracts α as it writes (the same result as q·kᵀ, ·s, −α in turn,
+    # measured bit for bit), then exp in place: no more [N, n] buffers than the result (a long
+    # document's head: 6,144 fit queries × 11k kept keys, 280 MB)
+    logits = torch.addmm(alpha.float().neg().unsqueeze(1), q.float(), keys.float().T, alpha=scaling, out=out)
+    return logits.exp_()  # [N, n] float32: ranks and fits need no more
 
 
 def key_scores(probs: torch.Tensor, how: KeyScore = "mean") -> torch.Tensor:
