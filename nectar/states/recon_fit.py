@@ -48,7 +48,8 @@ def fit_recon(base: BaseLM, layout: PromptLayout, document: str, doc_kv, targets
     queries = None
     if select.fit:
         start = time.perf_counter()
-        gapped = [recon_capture(base, layout, doc_kv, spans, select.aggregate, gap=g) for g in select.fit_gaps]
+        gapped = [recon_capture(base, layout, doc_kv, spans, select.aggregate, gap=g, window=select.score_window)
+                  for g in select.fit_gaps]
         timings["recon_gaps_s"] = timings.get("recon_gaps_s", 0.0) + time.perf_counter() - start
         queries = fit_queries(cap, train, select, seed, gapped)
     module = build_selected(qplan, kept, doc_kv, queries, select.quant_aware, timings=timings, fit_keys=select.fit_keys)
@@ -64,7 +65,7 @@ def ranking(base: BaseLM, layout: PromptLayout, doc_kv, targets, plan: ModulePla
     at the cut the plan's bytes make at ``plan.bits`` ("recon+train")."""
     timings = {} if timings is None else timings
     start = time.perf_counter()
-    cap = recon_capture(base, layout, doc_kv, spans, select.aggregate)
+    cap = recon_capture(base, layout, doc_kv, spans, select.aggregate, window=select.score_window)
     timings["recon_s"] = timings.get("recon_s", 0.0) + time.perf_counter() - start
     uses_train = targets is not None and ((select.fit and "train" in select.fit_queries)
                                           or "train" in select.score_queries)
@@ -136,6 +137,9 @@ class ReconFit(StateMethod):
     # at most this many keys of one (layer, KV head) fitted jointly — those with the most mass on the fit
     # queries; the rest keep β = 0 and their values (matching_fit.fitted_keys). None: all of them
     fit_keys: int | None = None
+    # a key scored only by the reconstruction batches within this many tokens of it (KVzip's chunk-local
+    # scoring: linear in n); None: every batch scores every key
+    score_window: int | None = None
 
     name = "recon_fit"
     READS = frozenset({"doc_kv", "document", "train_queries"})

@@ -8,7 +8,9 @@ anchors kept exact; then, optionally, Attention Matching's closed-form β and va
               exact document KV; at every layer, key j of KV head h scores its attention probability
               under the WHOLE softmax (document keys and the query's own tokens: a head that mostly
               reads its local context gives the document little), aggregated over the response
-              tokens and the GQA group by max (no position starved) or mean         → [L, Hkv, n]
+              tokens and the GQA group by max (no position starved) or mean; with a score window,
+              only over the batches whose spans lie within W tokens of key j (KVzip's chunk-local
+              scoring)                                                            → [L, Hkv, n]
   2. allocate the plan's total bytes as (key, value) pairs: one ranking over every (layer, head,
               key) (``global``), per layer (``layer``) or per head (``head``); anchors (first
               ``sink_tokens`` tokens, optionally every chat-template token) first, and every head
@@ -20,6 +22,7 @@ keys has masked slots (β = −inf, W = Z = 0) that no query reaches and that co
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import time
 from dataclasses import dataclass
@@ -58,8 +61,9 @@ class _ScoreRecorder:
     response rows of the batch, and those rows' (q, α, A)."""
 
     def __init__(self, keys: list[torch.Tensor], rows: torch.Tensor, scaling: float, aggregate: str,
-                 scores: torch.Tensor):
+                 scores: torch.Tensor, ranges: list[tuple[int, int]] | None = None):
         self.keys, self.rows, self.scaling, self.aggregate = keys, rows, scaling, aggregate
+        self.ranges = ranges  # [start, end) intervals of the keys scored (max only); None: every key
         self.scores = scores  # [L, Hkv, n], updated in place
         self.q: dict[int, torch.Tensor] = {}
         self.alpha: dict[int, torch.Tensor] = {}
@@ -71,7 +75,7 @@ class _ScoreRecorder:
         total = doc_lse if local is None else torch.logaddexp(doc_lse, local.lse[0][:, self.rows].float())
         keys = self.keys[layer].float()  # [Hkv, n, d]
         if self.aggregate == "max":
-            self.scores[layer] = torch.maximum(self.scores[layer], self._max_probs(qr, total, keys))
+            self.scores[layer] = torch.maximum(self.scores[layer], self._max_probs(qr, total, keys, self.ranges))
         else:
             hkv, g = keys.shape[0], qr.shape[0] // keys.shape[0]
             logits = torch.einsum("hgrd,hnd->hgrn", qr.reshape(hkv, g, -1, qr.shape[-1]), keys)  # [Hkv, g, R, n]
@@ -81,8 +85,10 @@ class _ScoreRecorder:
         self.alpha[layer] = doc_lse.transpose(0, 1)  # [R, Hq]
         self.A[layer] = doc.out[0][:, self.rows].float().transpose(0, 1)  # [R, Hq, d]
 
-    def _max_probs(self, qr: torch.Tensor, total: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        """[Hkv, n]: max over the rows and a KV head's query heads of exp(s·q·k − total).
+    def _max_probs(self, qr: torch.Tensor, total: torch.Tensor, keys: torch.Tensor,
+                   ranges: list[tuple[int, int]] | None = None) -> torch.Tensor:
+        """[Hkv, n]: max over the rows and a KV head's query heads of exp(s·q·k − total); only the keys
+        in ``ranges`` ([start, end) intervals; None: all), the others 0 (exp(−inf)).
 
         max_r exp(x_r) = exp(max_r x_r), so the max is taken before the exp, and −total is folded into
         the product as one more dimension ([s·q, −total]·[k, 1]). The keys go through in blocks of
@@ -97,10 +103,12 @@ class _ScoreRecorder:
         qa = qa.transpose(1, 2).contiguous()  # [Hkv, d + 1, g·R]
         ka = torch.cat([keys, keys.new_ones(*keys.shape[:2], 1)], -1)  # [Hkv, n, d + 1]
         n = keys.shape[1]
-        best = torch.empty(hkv, n, device=keys.device)  # [Hkv, n]
+        best = torch.full((hkv, n), float("-inf"), device=keys.device)  # [Hkv, n]
         step = score_keys(qa.shape[2])
-        for start in range(0, n, step):
-            best[:, start:start + step] = torch.bmm(ka[:, start:start + step], qa).amax(dim=2)
+        for lo, hi in ([(0, n)] if ranges is None else ranges):
+            for start in range(lo, hi, step):
+                end = min(start + step, hi)
+                best[:, start:end] = torch.bmm(ka[:, start:end], qa).amax(dim=2)
         return best.exp_()
 
 
@@ -115,26 +123,37 @@ def score_keys(rows: int) -> int:
 
 @torch.no_grad()
 def recon_capture(base: BaseLM, layout: PromptLayout, doc_kv, spans: list[tuple[str, str]],
-                  aggregate: str = "max", gap: int = 0) -> ReconCapture:
+                  aggregate: str = "max", gap: int = 0, window: int | None = None) -> ReconCapture:
     """Run the reconstruction spans ((instruction, response) pairs) against the exact document KV.
 
     ``gap``: the spans start ``gap`` positions after the document (at n + gap instead of n) while its
     keys stay at 0 … n − 1 — as a composition asks this document when ``gap`` tokens of other
     documents follow it (nectar/attention/compose.py ``part_gaps``). Their (α, A) over this document's
-    keys are exactly this part's share of the composed merge; 0 is the document alone, bit for bit."""
+    keys are exactly this part's share of the composed merge; 0 is the document alone, bit for bit.
+
+    ``window`` (max aggregate only): a batch scores only the keys within ``window`` tokens of the
+    document text its spans reconstruct (``score_ranges``), as KVzip scores a chunk's keys by that
+    chunk's reconstruction alone — the scoring's cost then grows with n, not n² (the attention itself
+    still reads every key). None: every batch scores every key."""
     if not spans:
         raise ValueError("no reconstruction spans: the document has no unit outside the withheld blocks")
+    if window is not None and aggregate != "max":
+        raise ValueError(f"a score window needs the max aggregate (got {aggregate!r}): a windowed mean would "
+                         "average each key over a different set of rows; set score_window=null")
     pairs = [layout.pair(i, r) for i, r in spans]
+    spans_keys = None if window is None else response_tokens(layout, [r for _, r in spans])
     L, n = base.num_layers, layout.n
     keys = [k.to(base.device) for k in doc_kv.keys]
     scores = torch.zeros(L, base.num_kv_heads, n, device=base.device)
     provider = ExactDocState(doc_kv)
     qs, alphas, As = [], [], []
-    for batch in _batches(pairs, RECON_BATCH_TOKENS):
+    for index in recon_batches([len(p.ids) for p in pairs], RECON_BATCH_TOKENS):
+        batch = [pairs[i] for i in index]
         ids, positions, segments = pack([p.ids for p in batch], n + gap, base.device)
         rows = torch.cat([torch.arange(s + p.response_start, e, device=base.device)
                           for p, (s, e) in zip(batch, segments)])  # response tokens (the span itself)
-        rec = _ScoreRecorder(keys, rows, base.scaling, aggregate, scores)
+        ranges = None if spans_keys is None else score_ranges([spans_keys[i] for i in index], window, n)
+        rec = _ScoreRecorder(keys, rows, base.scaling, aggregate, scores, ranges)
         with nectar_attention(base.model, provider, recorder=rec, segments=segments):
             base.model.get_decoder()(input_ids=ids, position_ids=positions, use_cache=False)
         qs.append(torch.stack([rec.q[i] for i in range(L)], 1).cpu())  # [R, L, Hq, d]
@@ -145,16 +164,59 @@ def recon_capture(base: BaseLM, layout: PromptLayout, doc_kv, spans: list[tuple[
     return ReconCapture(scores.cpu(), torch.cat(qs), torch.cat(alphas), torch.cat(As))
 
 
-def _batches(pairs, max_tokens: int):
+def recon_batches(lengths: list[int], max_tokens: int):
+    """Indices of consecutive pairs, as many as ``max_tokens`` tokens hold (at least one)."""
     batch, tokens = [], 0
-    for p in pairs:
-        if batch and tokens + len(p.ids) > max_tokens:
+    for i, length in enumerate(lengths):
+        if batch and tokens + length > max_tokens:
             yield batch
             batch, tokens = [], 0
-        batch.append(p)
-        tokens += len(p.ids)
+        batch.append(i)
+        tokens += length
     if batch:
         yield batch
+
+
+def response_tokens(layout: PromptLayout, responses: list[str]) -> list[tuple[int, int]]:
+    """[start, end) of each response's tokens in the document's context: the text found in the decoded
+    context after the previous response (a tiling pass is in document order; a response not found
+    there is searched from the start — the next pass), mapped to tokens by the tokenizer's offsets."""
+    tok, ids = layout.tokenizer, list(layout.context_ids)
+    text = tok.decode(ids)
+    try:
+        enc = tok(text, return_offsets_mapping=True, add_special_tokens=False)
+    except (NotImplementedError, ValueError, TypeError) as err:
+        raise ValueError(f"a score window maps spans to tokens by the tokenizer's character offsets, which "
+                         f"{type(tok).__name__} does not give; set score_window=null") from err
+    if list(enc["input_ids"]) != ids:
+        raise ValueError("a score window needs the context to re-tokenize to the same ids from its decoded "
+                         "text, and this tokenizer's do not; set score_window=null")
+    starts = [a for a, _ in enc["offset_mapping"]]
+    ends = [b for _, b in enc["offset_mapping"]]
+    ranges, cursor = [], 0
+    for response in responses:
+        needle = response.strip()
+        at = text.find(needle, cursor)
+        at = text.find(needle) if at < 0 else at
+        if at < 0 or not needle:
+            raise ValueError(f"reconstruction span {needle[:40]!r} is not in the document's context; "
+                             "set score_window=null")
+        first, last = bisect.bisect_right(ends, at), bisect.bisect_left(starts, at + len(needle))
+        ranges.append((first, max(last, first + 1)))
+        cursor = at + len(needle)
+    return ranges
+
+
+def score_ranges(spans_keys: list[tuple[int, int]], window: int, n: int) -> list[tuple[int, int]]:
+    """The keys a batch scores: each of its spans' tokens ± ``window``, within [0, n), merged into
+    disjoint [start, end) intervals in order."""
+    merged: list[list[int]] = []
+    for lo, hi in sorted((max(0, a - window), min(n, b + window)) for a, b in spans_keys):
+        if merged and lo <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], hi)
+        else:
+            merged.append([lo, hi])
+    return [(lo, hi) for lo, hi in merged]
 
 
 def anchor_mask(n: int, sink_tokens: int, template: torch.Tensor | None = None) -> torch.Tensor:
