@@ -40,7 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ..schemas.config import FIRST_FIT_KEYS, ModuleConfig, PipelineConfig, TrainConfig
+from ..schemas.config import FIRST_FIT_KEYS, FIRST_SCORE_WINDOW, ModuleConfig, PipelineConfig, TrainConfig
 from ..schemas.presets import PRESET_REGIMES, PRESETS, REGIMES, ConfigError, deep_merge, regime_overlay
 from ..schemas.renamed import renamed
 from ..states.kvpress_press import PREFIX as KVPRESS_PREFIX
@@ -187,16 +187,25 @@ for _bits in (8, 4):
 # reconstruction queries alone, int4 — from the document alone, so its state s is prefill + fit (opt-in).
 register(System("recon_first@int4", "method", "the first stage's state: recon_fit ranked and fitted on the "
                 "reconstruction queries alone (no question about the document), at most "
-                f"{FIRST_FIT_KEYS:,} keys of a head fitted jointly, stored at int4 (fp16 scale and zero per 64 values, "
-                "β bf16)", method="recon_fit", bits=4,
-                options={"fit": True, "fit_queries": "recon", "score_queries": "recon", "fit_keys": FIRST_FIT_KEYS},
-                default=False))
+                f"{FIRST_FIT_KEYS:,} keys of a head fitted jointly, each key scored by the reconstruction within "
+                f"{FIRST_SCORE_WINDOW:,} tokens of it, stored at int4 (fp16 scale and zero per 64 values, β bf16)",
+                method="recon_fit", bits=4,
+                options={"fit": True, "fit_queries": "recon", "score_queries": "recon", "fit_keys": FIRST_FIT_KEYS,
+                         "score_window": FIRST_SCORE_WINDOW}, default=False))
 # ... fitting every kept key of a head jointly, as the first state did before the cap (issue 39): on long
 # documents slower and worse (docs/quality.md, "A cap on the keys fitted jointly")
 register(System("recon_first_allkeys@int4", "method", "recon_first@int4 fitting every kept key of a head jointly "
                 "(no cap)", method="recon_fit", bits=4,
-                options={"fit": True, "fit_queries": "recon", "score_queries": "recon", "fit_keys": None},
-                default=False))
+                options={"fit": True, "fit_queries": "recon", "score_queries": "recon", "fit_keys": None,
+                         "score_window": FIRST_SCORE_WINDOW}, default=False))
+
+# ... with every reconstruction batch scoring every key, as the first state did before its score window
+# (issue 39): the same probe figures on a 5.3k-token text, a scoring that grows with n² (docs/quality.md,
+# "Scores from the nearby reconstruction")
+register(System("recon_first_allscores@int4", "method", "recon_first@int4 with every reconstruction batch "
+                "scoring every key (no score window)", method="recon_fit", bits=4,
+                options={"fit": True, "fit_queries": "recon", "score_queries": "recon", "fit_keys": FIRST_FIT_KEYS,
+                         "score_window": None}, default=False))
 
 
 # The bits allocated by rate and distortion (issue 38, nectar/states/recon_mixed.py): recon_first's keys and
