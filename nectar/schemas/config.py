@@ -256,6 +256,11 @@ FIRST_FIT_KEYS = 1024
 FIRST_SCORE_WINDOW = 1024
 
 
+# the first state's selection: a ``--set first.select.KEY=VALUE`` changes KEY of THIS, not of SelectionConfig()
+FIRST_SELECT = SelectionConfig(fit_queries="recon", score_queries="recon", fit_keys=FIRST_FIT_KEYS,
+                               score_window=FIRST_SCORE_WINDOW)
+
+
 class FirstConfig(FrozenConfig):
     """The first state (nectar/stages/first.py): keys chosen by reconstructing the document alone, the
     closed-form β and values on the reconstruction queries, no LLM server — servable before self-study
@@ -265,12 +270,19 @@ class FirstConfig(FrozenConfig):
     enabled: bool = True
     bits: Literal[32, 8, 4, 2] = 4  # storage precision of the kept keys and values (β bf16 below 32)
     # recon_fit: ranked and fitted on the reconstruction queries only (no question exists yet)
-    select: SelectionConfig = SelectionConfig(fit_queries="recon", score_queries="recon", fit_keys=FIRST_FIT_KEYS,
-                                              score_window=FIRST_SCORE_WINDOW)
+    select: SelectionConfig = FIRST_SELECT
     seed: int = 0
     # promote: the refined state goes live when its recovered KL on the held-out pairs (test + probes,
     # pooled) beats the first state's with the paired interval of the difference above 0 at this level
     confidence: float = Field(0.95, gt=0, lt=1)
+
+    @field_validator("select", mode="before")
+    @classmethod
+    def _over_first_defaults(cls, value: Any) -> Any:
+        """Keys given for ``select`` (a preset's, ``--set first.select.fit_keys=…``) change the first state's
+        selection, the others keep its defaults; pydantic alone would fill them from SelectionConfig()'s
+        (the whole-query fit, no cap, no window)."""
+        return {**FIRST_SELECT.model_dump(), **value} if isinstance(value, dict) else value
 
 
 class ModuleConfig(FrozenConfig):

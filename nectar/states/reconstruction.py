@@ -152,7 +152,9 @@ def recon_capture(base: BaseLM, layout: PromptLayout, doc_kv, spans: list[tuple[
         ids, positions, segments = pack([p.ids for p in batch], n + gap, base.device)
         rows = torch.cat([torch.arange(s + p.response_start, e, device=base.device)
                           for p, (s, e) in zip(batch, segments)])  # response tokens (the span itself)
-        ranges = None if spans_keys is None else score_ranges([spans_keys[i] for i in index], window, n)
+        placed = None if spans_keys is None else [spans_keys[i] for i in index]
+        # a batch with a span that could not be placed scores every key (exact, as without a window)
+        ranges = None if placed is None or None in placed else score_ranges(placed, window, n)
         rec = _ScoreRecorder(keys, rows, base.scaling, aggregate, scores, ranges)
         with nectar_attention(base.model, provider, recorder=rec, segments=segments):
             base.model.get_decoder()(input_ids=ids, position_ids=positions, use_cache=False)
@@ -177,30 +179,31 @@ def recon_batches(lengths: list[int], max_tokens: int):
         yield batch
 
 
-def response_tokens(layout: PromptLayout, responses: list[str]) -> list[tuple[int, int]]:
+def response_tokens(layout: PromptLayout, responses: list[str]) -> list[tuple[int, int] | None]:
     """[start, end) of each response's tokens in the document's context: the text found in the decoded
     context after the previous response (a tiling pass is in document order; a response not found
-    there is searched from the start — the next pass), mapped to tokens by the tokenizer's offsets."""
+    there is searched from the start — the next pass), mapped to tokens by the tokenizer's offsets.
+    None for a response that cannot be placed (not found, or a tokenizer without character offsets
+    or whose decoded context re-tokenizes otherwise): its batch then scores every key."""
     tok, ids = layout.tokenizer, list(layout.context_ids)
     text = tok.decode(ids)
     try:
         enc = tok(text, return_offsets_mapping=True, add_special_tokens=False)
-    except (NotImplementedError, ValueError, TypeError) as err:
-        raise ValueError(f"a score window maps spans to tokens by the tokenizer's character offsets, which "
-                         f"{type(tok).__name__} does not give; set score_window=null") from err
+    except (NotImplementedError, ValueError, TypeError):
+        return [None] * len(responses)  # a slow tokenizer: no offsets
     if list(enc["input_ids"]) != ids:
-        raise ValueError("a score window needs the context to re-tokenize to the same ids from its decoded "
-                         "text, and this tokenizer's do not; set score_window=null")
+        return [None] * len(responses)
     starts = [a for a, _ in enc["offset_mapping"]]
     ends = [b for _, b in enc["offset_mapping"]]
-    ranges, cursor = [], 0
+    ranges: list[tuple[int, int] | None] = []
+    cursor = 0
     for response in responses:
         needle = response.strip()
-        at = text.find(needle, cursor)
-        at = text.find(needle) if at < 0 else at
-        if at < 0 or not needle:
-            raise ValueError(f"reconstruction span {needle[:40]!r} is not in the document's context; "
-                             "set score_window=null")
+        at = text.find(needle, cursor) if needle else -1
+        at = text.find(needle) if at < 0 and needle else at
+        if at < 0:
+            ranges.append(None)
+            continue
         first, last = bisect.bisect_right(ends, at), bisect.bisect_left(starts, at + len(needle))
         ranges.append((first, max(last, first + 1)))
         cursor = at + len(needle)

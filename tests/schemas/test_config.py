@@ -511,3 +511,15 @@ def test_the_cpu_preset_self_studies_through_vllm_and_the_local_file_switches_ba
     roles = (local.synthesize.llm, local.verify.answer_llm, local.verify.judge, local.evaluate.judge)
     assert {r.backend for r in roles} == {"local"} and local.synthesize.samples_per_chunk == 1
     assert local.verify.min_kept == 24 and local.verify.judge.max_new_tokens == 96
+
+
+def test_an_override_of_one_first_select_key_keeps_the_first_states_other_defaults():
+    """``--set first.select.score_window=null`` changes that key of the first state's selection; the
+    others stay the first state's (the cap, the reconstruction-only queries), not SelectionConfig()'s."""
+    from nectar.schemas.config import FIRST_FIT_KEYS, FIRST_SELECT
+
+    cfg = load_config("cpu", overrides=["first.select.score_window=null"])
+    assert cfg.first.select == FIRST_SELECT.model_copy(update={"score_window": None})
+    assert cfg.first.select.fit_keys == FIRST_FIT_KEYS and cfg.first.select.fit_queries == "recon"
+    assert load_config("cpu").first.select == FIRST_SELECT
+    assert "first" not in load_config("cpu").cache_dict()  # at its defaults, out of run ids as before

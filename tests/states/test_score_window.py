@@ -100,3 +100,21 @@ def test_the_first_state_and_its_compare_system_score_in_the_same_window():
     assert system.select == first
     whole = ReconFit.from_select(SelectionConfig()).with_options(**SYSTEMS["recon_first_allscores@int4"].options)
     assert whole.select == first.model_copy(update={"score_window": None})
+
+
+def test_a_span_that_cannot_be_placed_makes_its_batch_score_every_key(tiny, monkeypatch):
+    """A response not found in the context (a tokenizer quirk) maps to None; its batch falls back to
+    scoring every key — exact, only slower — while the other batches keep their windows."""
+    base, layout, kv, spans = tiny
+    monkeypatch.setattr(reconstruction, "RECON_BATCH_TOKENS", 96)
+    stranger = ("Repeat the document verbatim.", "Zebras quietly annotate purple harmonicas.")
+    assert response_tokens(layout, [stranger[1], spans[0][1]])[0] is None
+    whole = recon_capture(base, layout, kv, [stranger, *spans])
+    narrow = recon_capture(base, layout, kv, [stranger, *spans], window=4)
+    batches = list(reconstruction.recon_batches([len(layout.pair(i, r).ids) for i, r in [stranger, *spans]], 96))
+    assert len(batches) > 2 and 0 in batches[0]
+    # the stranger's batch scored every key, so no key scores 0 — the template before the text included
+    assert (narrow.scores > 0).all()
+    assert (narrow.scores <= whole.scores).all()
+    without = recon_capture(base, layout, kv, spans, window=4)  # every batch placed: the template unscored
+    assert (without.scores[..., :2] == 0).all()
