@@ -147,14 +147,17 @@ def run_one(n_tokens: int, nnls_log: list, scipy_every: int = 0, overrides: tupl
         # it lengthened the wall figures by about its thread-seconds / workers (an estimate) — taken out
         for key in ("fit_s", "fit_mass_s", "total_s"):
             counts[key] = round(counts[key] - scipy_s / workers, 2)
-    # reconstruction scoring FLOPs: the model's forward over ~n response tokens (+ cues) against the
-    # document, dominated by attention to n keys: L · Hq · (2 · T · n · d) · 2 (logits, outputs) + the
-    # recorder's whole-softmax probabilities (the same logits again) + the linear layers 2 · params · T
+    # reconstruction scoring FLOPs, counted on this document's spans: the model's forward over the T
+    # reconstruction tokens (instructions and responses) — its linear layers 2 · (layer parameters) · T and
+    # the attention to the n document keys, L · Hq · 2 · T · n · d · 2 (logits, outputs) — plus the
+    # recorder's scores, L · Hq · 2 · (d + 1) per (response row, scored key) pair: every key for every
+    # batch, or only those within the score window of the batch's spans (select.score_window)
     n, L, hq, d = counts["n_context"], base.num_layers, base.num_q_heads, base.head_dim
-    T = n * 1.15  # response tokens ≈ the document, plus the cue instructions
-    attn = 3 * 2 * L * hq * T * n * d
-    linear = 2 * 1.35e8 * T
-    counts["recon_gflop"] = round((attn + linear) / 1e9, 1)
+    T, scored = recon_work(base, text, cfg)
+    layer_params = sum(p.numel() for p in base.model.get_decoder().layers.parameters())
+    counts.update(recon_tokens=T, recon_scored_share=round(scored / max(T * n, 1), 3))
+    counts["recon_gflop"] = round((2 * L * hq * T * n * d * 2 + L * hq * 2 * (d + 1) * scored
+                                   + 2 * layer_params * T) / 1e9, 1)
     # the fit's FLOPs, N = 2048 · g fit queries. In float32: the masses over EVERY key a head keeps (p,
     # kept_keys summed over heads: the logits 2Npd and the rows' sums with the values 2Npd — the cap
     # does not shrink them), then per head the c keys solved jointly (the β fit's Gram size: with a cap,
@@ -167,6 +170,29 @@ def run_one(n_tokens: int, nnls_log: list, scipy_every: int = 0, overrides: tupl
     counts["fit_gflop64"] = round(sum(2 * c ** 3 / 3 for c in sizes) / 1e9, 1)
     counts["torch_threads"] = torch.get_num_threads()
     return counts
+
+
+def recon_work(base, text: str, cfg) -> tuple[int, int]:
+    """(T, S): the reconstruction's query tokens, and the (response row, scored key) pairs the recorder
+    computes — each batch's response rows times the keys it scores (all n, or its window's)."""
+    from nectar.layout import build_layout
+    from nectar.queries.recon import make_recon
+    from nectar.states import reconstruction as R
+
+    layout = build_layout(base.tokenizer, text)
+    spans = [(s.instruction, s.response) for s in make_recon(text, cfg.targets.recon, cfg.targets.probes)]
+    pairs = [layout.pair(i, r) for i, r in spans]
+    window = cfg.first.select.score_window
+    spans_keys = None if window is None else R.response_tokens(layout, [r for _, r in spans])
+    T = scored = 0
+    for index in R.recon_batches([len(p.ids) for p in pairs], R.RECON_BATCH_TOKENS):
+        rows = sum(len(pairs[i].ids) - pairs[i].response_start for i in index)
+        placed = None if window is None else [spans_keys[i] for i in index]
+        keys = layout.n if placed is None or None in placed else sum(  # an unplaced span: every key
+            hi - lo for lo, hi in R.score_ranges(placed, window, layout.n))
+        T += sum(len(pairs[i].ids) for i in index)
+        scored += rows * keys
+    return T, scored
 
 
 def kvpress_seconds(n_tokens: int, rho: float = 0.05) -> float | None:
