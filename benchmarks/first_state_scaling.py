@@ -185,13 +185,10 @@ def recon_work(base, text: str, cfg) -> tuple[int, int]:
     window = cfg.first.select.score_window
     spans_keys = None if window is None else R.response_tokens(layout, [r for _, r in spans])
     T = scored = 0
-    for index in R.recon_batches([len(p.ids) for p in pairs], R.RECON_BATCH_TOKENS):
+    for index, ranges in R.scored_batches(pairs, spans_keys, window, layout.n):
         rows = sum(len(pairs[i].ids) - pairs[i].response_start for i in index)
-        placed = None if window is None else [spans_keys[i] for i in index]
-        keys = layout.n if placed is None or None in placed else sum(  # an unplaced span: every key
-            hi - lo for lo, hi in R.score_ranges(placed, window, layout.n))
         T += sum(len(pairs[i].ids) for i in index)
-        scored += rows * keys
+        scored += rows * (layout.n if ranges is None else sum(hi - lo for lo, hi in ranges))
     return T, scored
 
 

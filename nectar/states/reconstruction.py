@@ -147,14 +147,11 @@ def recon_capture(base: BaseLM, layout: PromptLayout, doc_kv, spans: list[tuple[
     scores = torch.zeros(L, base.num_kv_heads, n, device=base.device)
     provider = ExactDocState(doc_kv)
     qs, alphas, As = [], [], []
-    for index in recon_batches([len(p.ids) for p in pairs], RECON_BATCH_TOKENS):
+    for index, ranges in scored_batches(pairs, spans_keys, window, n):
         batch = [pairs[i] for i in index]
         ids, positions, segments = pack([p.ids for p in batch], n + gap, base.device)
         rows = torch.cat([torch.arange(s + p.response_start, e, device=base.device)
                           for p, (s, e) in zip(batch, segments)])  # response tokens (the span itself)
-        placed = None if spans_keys is None else [spans_keys[i] for i in index]
-        # a batch with a span that could not be placed scores every key (exact, as without a window)
-        ranges = None if placed is None or None in placed else score_ranges(placed, window, n)
         rec = _ScoreRecorder(keys, rows, base.scaling, aggregate, scores, ranges)
         with nectar_attention(base.model, provider, recorder=rec, segments=segments):
             base.model.get_decoder()(input_ids=ids, position_ids=positions, use_cache=False)
@@ -177,6 +174,15 @@ def recon_batches(lengths: list[int], max_tokens: int):
         tokens += length
     if batch:
         yield batch
+
+
+def scored_batches(pairs, spans_keys: list[tuple[int, int] | None] | None, window: int | None, n: int):
+    """(indices, ranges) per reconstruction batch: the pairs it packs (``RECON_BATCH_TOKENS``) and the key
+    intervals it scores — None (every key) without a window, or when one of its spans could not be
+    placed (exact, as without a window)."""
+    for index in recon_batches([len(p.ids) for p in pairs], RECON_BATCH_TOKENS):
+        placed = None if spans_keys is None else [spans_keys[i] for i in index]
+        yield index, (None if placed is None or None in placed else score_ranges(placed, window, n))
 
 
 def response_tokens(layout: PromptLayout, responses: list[str]) -> list[tuple[int, int] | None]:
