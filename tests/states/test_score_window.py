@@ -66,8 +66,9 @@ def test_a_narrow_window_scores_each_key_from_the_batches_near_it_only(tiny, mon
     monkeypatch.setattr(reconstruction, "RECON_BATCH_TOKENS", 96)
     whole = recon_capture(base, layout, kv, spans)
     narrow = recon_capture(base, layout, kv, spans, window=4)
-    # a max over fewer batches: never above the whole max, strictly below somewhere
-    assert (narrow.scores <= whole.scores).all() and (narrow.scores < whole.scores).any()
+    # a max over fewer batches: never above the whole max (1e-5: key blocks of other shapes may sum the
+    # (d + 1)-term logits in another order on another processor), strictly below somewhere
+    assert (narrow.scores <= whole.scores * (1 + 1e-5)).all() and (narrow.scores < whole.scores).any()
     # every token of a reconstructed span is scored by its own batch: the same as some whole-score batch
     spans_keys = response_tokens(layout, [r for _, r in spans])
     inside = torch.zeros(layout.n, dtype=torch.bool)
@@ -115,6 +116,6 @@ def test_a_span_that_cannot_be_placed_makes_its_batch_score_every_key(tiny, monk
     assert len(batches) > 2 and 0 in batches[0]
     # the stranger's batch scored every key, so no key scores 0 — the template before the text included
     assert (narrow.scores > 0).all()
-    assert (narrow.scores <= whole.scores).all()
+    assert (narrow.scores <= whole.scores * (1 + 1e-5)).all()
     without = recon_capture(base, layout, kv, spans, window=4)  # every batch placed: the template unscored
     assert (without.scores[..., :2] == 0).all()
