@@ -36,7 +36,7 @@ run-local: setup
 	$(BIN)/nectar run pydoc:naming --preset cpu --config infra/cpu-local.yaml
 
 test: setup
-	$(BIN)/pytest -m "not gpu" -q
+	$(BIN)/pytest -m "not gpu" -q --durations=30
 
 test-fast: setup
 	$(BIN)/pytest -q

@@ -27,7 +27,7 @@ from ..schemas.config import TargetsConfig
 from ..tables import write_table
 from ..targets.capture import capture_packed
 from ..targets.size import TargetsSize, check_budget
-from ..targets.store import create_targets, encode_values, open_targets, targets_zarr_url
+from ..targets.store import create_targets, drop_unfinished_writes, encode_values, open_targets, targets_zarr_url
 
 Progress = Callable[[int, int], None]
 
@@ -85,12 +85,13 @@ def build_targets(
     g = _open_or_create(zurl, header, cfg)
     written = int(g.attrs.get("written_tokens", 0))
     offsets = np.array([p.row.start for p in planned] + [header.n_tokens], dtype=np.int64)
-    first = int(np.searchsorted(offsets[1:], written, side="right"))  # first pair not fully written
+    batches = resume_batches(batch_plan(planned, cfg.batch_size, cfg.batch_tokens), written)
+    first = batches[0][0].row.index if batches else len(planned)
     provider = ExactDocState(doc_kv, backend=backend)
     done = first
     shard = g["token_ids"].shards[0]  # the array's own shard (shard_tokens rounded to whole chunks)
     with _ShardWriter(g, shard, written, offsets[first], background=_spare_core(base.device)) as writer:
-        for batch in batch_plan(planned[first:], cfg.batch_size, cfg.batch_tokens):
+        for batch in batches:
             writer.add(_capture(base, provider, batch, layout.n, cfg.top_k, cfg.dtype, cfg.mode == "cached"))
             done += len(batch)
             if progress:
@@ -131,6 +132,19 @@ def batch_plan(planned: list[PlannedPair], batch_size: int, batch_tokens: int) -
     return batches
 
 
+def resume_batches(batches: list[list[PlannedPair]], written: int) -> list[list[PlannedPair]]:
+    """The batches still to run when tokens [0, written) are on disk: from the one holding the first
+    unwritten token, whole. A resumed stage runs the uninterrupted plan's own batches (a batch's
+    rows can differ in their last bits with its company: another packing is another matmul shape),
+    so a resume writes the uninterrupted run's bytes; rows already on disk are recomputed, not
+    rewritten (_ShardWriter.add skips them)."""
+    for i, batch in enumerate(batches):
+        end = batch[-1].row.start + batch[-1].row.length
+        if end > written:
+            return batches[i:]
+    return []
+
+
 def _header(base, layout, cfg, planned, doc_sha256) -> TargetsHeader:
     splits: dict[str, int] = {}
     for p in planned:
@@ -147,6 +161,7 @@ def _open_or_create(zurl: str, header: TargetsHeader, cfg: TargetsConfig):
     try:
         g, existing = open_targets(zurl, mode="r+")
         if existing.model_copy(update={"complete": False}) == header:
+            drop_unfinished_writes(zurl)  # a killed run's half-written files: not part of the group
             return g
     except Exception:  # missing or unreadable: start over
         pass

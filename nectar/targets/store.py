@@ -8,6 +8,8 @@ round a typical α of 20–40 by up to 0.125, a 13 % error in the merge weight.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import fsspec
 import numpy as np
 import torch
@@ -104,6 +106,22 @@ def create_targets(url: str, header: TargetsHeader, chunk_tokens: int, shard_tok
     g.attrs[HEADER_KEY] = header.model_dump(mode="json")
     g.attrs["written_tokens"] = 0
     return g
+
+
+PARTIAL_SUFFIX = ".partial"  # zarr's LocalStore writes NAME.<uuid>.partial, then renames it to NAME
+
+
+def drop_unfinished_writes(url: str) -> int:
+    """Delete the temporary files of writes a killed process never finished (a local group only:
+    zarr's LocalStore writes each file beside its name and renames it; other stores write whole
+    objects). Left in place they would stay in the group's files and its digest, so a resumed
+    group would not match the uninterrupted one byte for byte. Returns how many were removed."""
+    if "://" in url and not url.startswith("file://"):
+        return 0
+    stale = [f for f in Path(url.removeprefix("file://")).rglob(f"*{PARTIAL_SUFFIX}") if f.is_file()]
+    for f in stale:
+        f.unlink(missing_ok=True)
+    return len(stale)
 
 
 def open_targets(url: str, mode: str = "r") -> tuple[zarr.Group, TargetsHeader]:

@@ -124,6 +124,40 @@ def test_targets_resume_after_kill_reproduces_uninterrupted(tiny_llama, document
         assert np.array_equal(ga[name][:], gb[name][:]), name
 
 
+def test_a_resume_mid_batch_leaves_the_uninterrupted_groups_files_and_no_half_written_one(tiny_llama, document,
+                                                                                       tmp_path):
+    """The stop lands inside a batch of three pairs and a killed write left zarr's temporary file;
+    the resumed group has the uninterrupted one's files, byte for byte (so the same digest)."""
+    import fsspec
+
+    from nectar.integrity import digest_outputs, output_digest
+
+    layout = build_layout(tiny_llama.tokenizer, document)
+    kv = prefill_document(tiny_llama, layout.context_ids)
+    cfg = TargetsConfig(top_k=4, chunk_tokens=8, shard_tokens=16, batch_size=3)
+    targets_stage.build_targets(tiny_llama, layout, kv, _rows(6), cfg, str(tmp_path / "a"), "sha")
+
+    def stop_after_first_batch(done, total):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        targets_stage.build_targets(tiny_llama, layout, kv, _rows(6), cfg, str(tmp_path / "b"), "sha",
+                                    progress=stop_after_first_batch)
+    g, header = open_targets(str(tmp_path / "b" / "targets.zarr"))
+    first_batch = sum(r.length for r in read_table(str(tmp_path / "a" / "pairs.parquet"), TargetsPairRow)[:3])
+    assert g.attrs["written_tokens"] < first_batch  # on disk: whole shards only, the batch's tail is not
+    # FAILURE INJECTION: a write killed between zarr's temporary file and its rename
+    stale = tmp_path / "b" / "targets.zarr" / "q" / "c" / "9.0123456789abcdef.partial"
+    stale.parent.mkdir(parents=True, exist_ok=True)
+    stale.write_bytes(b"half a shard")
+    targets_stage.build_targets(tiny_llama, layout, kv, _rows(6), cfg, str(tmp_path / "b"), "sha")
+    assert not stale.exists()
+    fs = fsspec.filesystem("file")
+    digests = [output_digest(digest_outputs(fs, str(tmp_path / run), ["targets.zarr"]), "targets.zarr")
+               for run in ("a", "b")]
+    assert digests[0] == digests[1]
+
+
 def test_empty_dataset_and_bad_header_rejected(tiny_llama, document, tmp_path):
     layout = build_layout(tiny_llama.tokenizer, document)
     kv = prefill_document(tiny_llama, layout.context_ids)
