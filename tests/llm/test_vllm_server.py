@@ -197,8 +197,8 @@ def test_nectar_run_survives_its_vllm_engine_killed_mid_synthesis(tmp_path):
     """The issue's fault test: the engine process of the run's own server is killed while synthesize
     is asking; the same `nectar run` restarts the server, finishes, records the restart, leaves no
     vLLM process behind. Self-study through vLLM on the embedded model, every other stage on the tiny
-    preset: the stages after synthesize are not what this tests (the cpu preset's took ~9 of this
-    test's 13 minutes on CI's 2 cores)."""
+    preset: the stages after synthesize are not what this tests (with the cpu preset's the test took
+    444 s on 2 idle cores, now 290 s)."""
     import json
     import subprocess
     import time
