@@ -60,12 +60,18 @@ def targets_zarr_url(url: str) -> str:
     return url if url.endswith(".zarr") else f"{url}/{STORE_NAME}"
 
 
+def local_path(url: str) -> str | None:
+    """The folder of a local group's URL (a path or file://), None for a remote store."""
+    return None if "://" in url and not url.startswith("file://") else url.removeprefix("file://")
+
+
 def open_store(url: str):
-    if "://" in url and not url.startswith("file://"):
+    path = local_path(url)
+    if path is None:
         from zarr.storage import FsspecStore
 
         return FsspecStore.from_url(url)
-    return zarr.storage.LocalStore(url.removeprefix("file://"))
+    return zarr.storage.LocalStore(path)
 
 
 def create_targets(url: str, header: TargetsHeader, chunk_tokens: int, shard_tokens: int) -> zarr.Group:
@@ -116,9 +122,10 @@ def drop_unfinished_writes(url: str) -> int:
     zarr's LocalStore writes each file beside its name and renames it; other stores write whole
     objects). Left in place they would stay in the group's files and its digest, so a resumed
     group would not match the uninterrupted one byte for byte. Returns how many were removed."""
-    if "://" in url and not url.startswith("file://"):
+    path = local_path(url)
+    if path is None:
         return 0
-    stale = [f for f in Path(url.removeprefix("file://")).rglob(f"*{PARTIAL_SUFFIX}") if f.is_file()]
+    stale = [f for f in Path(path).rglob(f"*{PARTIAL_SUFFIX}") if f.is_file()]
     for f in stale:
         f.unlink(missing_ok=True)
     return len(stale)
