@@ -207,6 +207,14 @@ register(System("recon_first_allscores@int4", "method", "recon_first@int4 with e
                 options={"fit": True, "fit_queries": "recon", "score_queries": "recon", "fit_keys": FIRST_FIT_KEYS,
                          "score_window": None}, default=False))
 
+# ... with the fitted values rounded onto their int4 grid by the value fit's own objective (GPTQ's rounding,
+# nectar/states/value_rounding.py) instead of each to its nearest point: the same bytes (issue 38)
+register(System("recon_first_gptq@int4", "method", "recon_first@int4 with its fitted values rounded onto the "
+                "int4 grid row by row, each rounding error moved onto the rows not yet rounded by the value "
+                "fit's least squares (GPTQ)", method="recon_fit", bits=4,
+                options={"fit": True, "fit_queries": "recon", "score_queries": "recon", "fit_keys": FIRST_FIT_KEYS,
+                         "score_window": FIRST_SCORE_WINDOW, "value_rounding": "gptq"}, default=False))
+
 
 # The bits allocated by rate and distortion (issue 38, nectar/states/recon_mixed.py): recon_first's keys and
 # queries, each (layer, KV head) stored at int2, int4 or int8 as distortion removed per byte decides (opt-in:

@@ -235,6 +235,10 @@ class SelectionConfig(FrozenConfig):
     # (KVzip scores a chunk's keys by that chunk's reconstruction): the scoring grows with n, not n².
     # None: every batch scores every key (states/reconstruction.py ``recon_capture``; "max" aggregate only)
     score_window: Annotated[int, Field(ge=0)] | None = added_setting(None)
+    # below 32 bits, how the fitted values reach their int grid: each row to its nearest point on its own
+    # ("nearest"), or row by row with each rounding error moved onto the rows not yet rounded by the value
+    # fit's own least-squares objective ("gptq": states/value_rounding.py); the same bytes either way
+    value_rounding: Literal["nearest", "gptq"] = added_setting("nearest")
 
     @model_validator(mode="after")
     def _window_needs_max(self) -> "SelectionConfig":

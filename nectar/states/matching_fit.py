@@ -25,6 +25,7 @@ from scipy.linalg import solve_triangular
 from scipy.optimize import nnls
 
 from .selection import attention_probs
+from .value_rounding import gptq_rows
 
 MIN_MASS = 1e-12  # w_j floor: β ≥ log(1e-12) ≈ −27.6, a key that no query needs contributes nothing
 RIDGE = 1e-3  # ridges (masses towards β = 0, values towards the kept values), relative to the Gram diagonal
@@ -249,29 +250,31 @@ def tri_solve(L: torch.Tensor, b: torch.Tensor, transpose: bool = False) -> torc
 
 
 def fit_values(mass: torch.Tensor, beta: torch.Tensor, targets: torch.Tensor,
-               prior: torch.Tensor, free: torch.Tensor | None = None) -> torch.Tensor:
+               prior: torch.Tensor, free: torch.Tensor | None = None, grid: tuple[int, int] | None = None
+               ) -> torch.Tensor:
     """Least-squares values Z [p, d] for the compacted attention softmax(log mass + β) against the
     captured outputs ``targets`` [N, d]; ridge towards ``prior`` [p, d] (the kept keys' values).
     ``free`` (``fitted_keys``): only those keys' values are solved, to what the others' (their
-    priors) leave; the others keep their priors."""
+    priors) leave; the others keep their priors. ``grid`` (bits, group): the solved rows rounded onto
+    that storage grid by the fit's own objective (value_rounding.py), else left in float."""
     if free is not None:
-        return _fit_some_values(mass, beta, targets, prior, free)
+        return _fit_some_values(mass, beta, targets, prior, free, grid)
     # softmax over the kept keys of log mass + β, shifted by each row's largest term so float32
     # neither overflows (β up to +27) nor underflows: R is the same as in float64 to ~1e-7
     logits = torch.log(mass.float().clamp_min(1e-38)) + beta.float().unsqueeze(0)  # [N, p]
     R = torch.softmax(logits, dim=1)  # [N, p] compacted attention
     R[mass.float() <= 0] = 0.0
-    return _solve_values(R, targets, prior)
+    return _solve_values(R, targets, prior, grid)
 
 
 def _fit_some_values(mass: torch.Tensor, beta: torch.Tensor, targets: torch.Tensor, prior: torch.Tensor,
-                     free: torch.Tensor) -> torch.Tensor:
+                     free: torch.Tensor, grid: tuple[int, int] | None = None) -> torch.Tensor:
     """``fit_values`` of a capped head from its formed masses [N, p] (``capped_values``)."""
-    return capped_values(CappedMasses.of(mass, free, prior), beta, targets, prior)
+    return capped_values(CappedMasses.of(mass, free, prior), beta, targets, prior, grid)
 
 
-def capped_values(masses: CappedMasses, beta: torch.Tensor, targets: torch.Tensor, prior: torch.Tensor
-                  ) -> torch.Tensor:
+def capped_values(masses: CappedMasses, beta: torch.Tensor, targets: torch.Tensor, prior: torch.Tensor,
+                  grid: tuple[int, int] | None = None) -> torch.Tensor:
     """Z [p, d] float64 of a capped head: the priors, with the fitted keys' rows solved against the
     targets [N, d] less the fixed keys' share of the compacted attention. ``beta`` [p] is 0 on the fixed
     keys (``capped_log_mass``; a ValueError otherwise).
@@ -280,7 +283,8 @@ def capped_values(masses: CappedMasses, beta: torch.Tensor, targets: torch.Tenso
     log mass + β, written without the log), and w = 1 on the fixed keys, so their share is the sums
     ``CappedMasses`` carries: only the fitted [N, k] columns are read (docs/benchmarks.md, "The first
     state's time"). In float32: w reaches e^27 and the masses 1e-38, so mass·w stays in float32's range,
-    and a quotient carries ~1e-7 relative rounding — the Gram's own."""
+    and a quotient carries ~1e-7 relative rounding — the Gram's own. ``grid``: the solved rows rounded
+    as ``fit_values`` says (the fixed keys' priors are rounded to nearest when the module is stored)."""
     free = masses.free
     fixed = _fixed(beta.shape[0], free)
     if beta[fixed].any():
@@ -290,21 +294,22 @@ def capped_values(masses: CappedMasses, beta: torch.Tensor, targets: torch.Tenso
     rest = targets.float() - masses.fixed_out / den  # [N, d] what the fitted keys must make up
     R = (masses.cols * w).div_(den)  # [N, k] the fitted keys' compacted attention
     Z = prior.double().clone()
-    Z[free] = _solve_values(R, rest, prior[free]).double()
+    Z[free] = _solve_values(R, rest, prior[free], grid).double()
     return Z
 
 
-def _solve_values(R: torch.Tensor, targets: torch.Tensor, prior: torch.Tensor) -> torch.Tensor:
-    """argmin_Z ‖RZ − targets‖² + λ‖Z − prior‖² → Z [p, d] (float64), R [N, p]."""
+def _solve_values(R: torch.Tensor, targets: torch.Tensor, prior: torch.Tensor,
+                  grid: tuple[int, int] | None = None) -> torch.Tensor:
+    """argmin_Z ‖RZ − targets‖² + λ‖Z − prior‖² → Z [p, d] (float64), R [N, p]; with ``grid`` (bits,
+    group) rounded onto it by that objective (``gptq_rows``)."""
     G = gram(R)  # [p, p]
     lam = RIDGE * max(float(G.diagonal().mean()), 1e-12)
     G.diagonal().add_(lam)  # RᵀR + λI
     rhs = (R.T @ targets.float()).double() + lam * prior.double()  # [p, d]
     # RᵀR + λI is symmetric positive definite: Cholesky (p³/3) instead of LU (2p³/3), same solution
     L, info = torch.linalg.cholesky_ex(G)
-    if int(info) != 0:
-        return torch.linalg.solve(G, rhs)
-    return _chol_solve(L, rhs)  # [p, d]
+    Z = torch.linalg.solve(G, rhs) if int(info) != 0 else _chol_solve(L, rhs)  # [p, d]
+    return Z if grid is None else gptq_rows(Z, G, *grid)
 
 
 def gram(X: torch.Tensor) -> torch.Tensor:

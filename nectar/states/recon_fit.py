@@ -52,7 +52,8 @@ def fit_recon(base: BaseLM, layout: PromptLayout, document: str, doc_kv, targets
                   for g in select.fit_gaps]
         timings["recon_gaps_s"] = timings.get("recon_gaps_s", 0.0) + time.perf_counter() - start
         queries = fit_queries(cap, train, select, seed, gapped)
-    module = build_selected(qplan, kept, doc_kv, queries, select.quant_aware, timings=timings, fit_keys=select.fit_keys)
+    module = build_selected(qplan, kept, doc_kv, queries, select.quant_aware, timings=timings, fit_keys=select.fit_keys,
+                            value_rounding=select.value_rounding)
     return FittedState(ReconFit.name, module, qplan, scores=scores)  # scores [L, Hkv, n]: what the allocation ranked
 
 
@@ -140,6 +141,9 @@ class ReconFit(StateMethod):
     # a key scored only by the reconstruction batches within this many tokens of it (KVzip's chunk-local
     # scoring: linear in n); None: every batch scores every key
     score_window: int | None = None
+    # below 32 bits: the fitted values rounded each to its nearest grid point, or by the value fit's own
+    # objective ("gptq", value_rounding.py)
+    value_rounding: Literal["nearest", "gptq"] = "nearest"
 
     name = "recon_fit"
     READS = frozenset({"doc_kv", "document", "train_queries"})

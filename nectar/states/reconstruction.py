@@ -336,7 +336,7 @@ def selection_plan(plan: ModulePlan, kept: list[list[torch.Tensor]], fit: bool) 
 @torch.no_grad()
 def build_selected(plan: ModulePlan, kept: list[list[torch.Tensor]], doc_kv, queries=None,
                    quant_aware: bool = True, timings: dict[str, float] | None = None,
-                   fit_keys: int | None = None) -> NectarModule:
+                   fit_keys: int | None = None, value_rounding: str = "nearest") -> NectarModule:
     """The module of the kept keys: exact KV (β = 0), or with fitted β and values when ``queries``
     (an object with q [T, L, Hq, d], alpha [T, L, Hq], A [T, L, Hq, d]) are given.
 
@@ -346,11 +346,14 @@ def build_selected(plan: ModulePlan, kept: list[list[torch.Tensor]], doc_kv, que
     float and rounded after. The module returned holds the stored values either way. ``timings``:
     the fit's wall seconds (fit_s) and its β fits' and value solves' shares of them (fit_mass_s,
     fit_values_s) added to it. ``fit_keys``: at most this many keys of a head fitted jointly
-    (matching_fit.fitted_keys; None: all)."""
+    (matching_fit.fitted_keys; None: all). ``value_rounding`` "gptq": with ``quant_aware`` below 32 bits,
+    the fitted values reach their grid by the value fit's own objective (value_rounding.py), else each
+    is rounded to its nearest point when the module is stored."""
     timings = {} if timings is None else timings
     module = build_module(plan)
     hkv, bits, group = plan.num_kv_heads, plan.bits, plan.quant_group
     aware = quant_aware and bits < 32
+    grid = (bits, group) if aware and value_rounding == "gptq" else None  # the values' rounding in the fit
 
     def rows(x: torch.Tensor) -> torch.Tensor:  # [c, d] as stored (each row quantized along d)
         return fake_quantize(x, bits, group) if aware else x
@@ -381,7 +384,7 @@ def build_selected(plan: ModulePlan, kept: list[list[torch.Tensor]], doc_kv, que
         pairs.append((W, Z, B))
     if heads:
         start = time.perf_counter()
-        fitted = run_per_head(lambda t: t.fit(plan.scaling, log_mass, fit_keys), heads,
+        fitted = run_per_head(lambda t: t.fit(plan.scaling, log_mass, fit_keys, grid), heads,
                               cost=lambda t: min(t.keys.shape[0], fit_keys or t.keys.shape[0]))
         wall = time.perf_counter() - start
         for t, (beta, Zh, mass_s, values_s) in zip(heads, fitted):
@@ -410,10 +413,11 @@ class _HeadFit:
     keys: torch.Tensor  # [c, d]
     values: torch.Tensor  # [c, d]
 
-    def fit(self, scaling: float, log_mass, cap: int | None = None
+    def fit(self, scaling: float, log_mass, cap: int | None = None, grid: tuple[int, int] | None = None
             ) -> tuple[torch.Tensor, torch.Tensor, float, float]:
         """(β [c], values [c, d], seconds of the β fit, seconds of the value solve); at most ``cap``
-        keys solved jointly (the rest keep β = 0 and their values)."""
+        keys solved jointly (the rest keep β = 0 and their values); ``grid`` (bits, group): the solved
+        values rounded onto it by the fit's objective (matching_fit.fit_values)."""
         start = time.perf_counter()
         # over the cap: the fitted keys' masses and the fixed keys' sums, in row blocks; else None
         capped = capped_masses(self.q, self.alpha, self.keys, self.values, scaling, cap)
@@ -423,8 +427,8 @@ class _HeadFit:
         else:
             beta = log_mass(capped_log_mass(capped, self.keys.shape[0]))
         mid = time.perf_counter()
-        Z = fit_values(mass, beta, self.A, self.values) if capped is None else \
-            capped_values(capped, beta, self.A, self.values)
+        Z = fit_values(mass, beta, self.A, self.values, grid=grid) if capped is None else \
+            capped_values(capped, beta, self.A, self.values, grid)
         return beta.float(), Z.float(), mid - start, time.perf_counter() - mid
 
 

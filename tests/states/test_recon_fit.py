@@ -311,3 +311,30 @@ def test_score_keys_shrink_with_the_rows_within_their_bounds():
 
     assert score_keys(1) == 512 and score_keys(10 ** 6) == 32
     assert score_keys(1_000) > score_keys(3_000) >= 256
+
+
+def test_gptq_value_rounding_keeps_the_pairs_and_bytes_and_fits_its_queries_closer(tiny):
+    """``value_rounding: gptq`` (states/value_rounding.py): the same kept keys, β and bytes as rounding each
+    value row to nearest, values on the int4 grid, and the fit queries' targets matched more closely."""
+    base, layout, kv, url, spans = tiny
+    plan = _plan(base, layout.n, 0.05)
+    qplan = plan.__class__(**{**plan.__dict__, "bits": 4})
+    cap = recon_capture(base, layout, kv, spans)
+    states, errs = {}, {}
+    for rounding in ("nearest", "gptq"):
+        st = fit_recon(base, layout, DOC, kv, None, qplan, SelectionConfig(fit_queries="recon", value_rounding=rounding),
+                       spans)
+        err = 0.0
+        with torch.no_grad():
+            for layer in range(base.num_layers):
+                q = cap.q[:, layer].transpose(0, 1).unsqueeze(0)  # [1, Hq, T, d]
+                err += float(((st(layer, q, base.scaling).out[0].transpose(0, 1) - cap.A[:, layer]) ** 2).sum())
+        states[rounding], errs[rounding] = st, err
+    near, gptq = states["nearest"], states["gptq"]
+    assert near.plan.quad_head_pairs == gptq.plan.quad_head_pairs and near.nbytes == gptq.nbytes
+    for a, b, counts in zip(near.module.layers, gptq.module.layers, gptq.plan.quad_head_pairs):
+        assert torch.equal(a.W, b.W) and torch.equal(a.beta, b.beta)  # keys and β: the values' rounding only
+        c = counts[0]
+        assert torch.equal(fake_quantize(b.Z[0, :c].detach(), 4), b.Z[0, :c].detach())
+    assert not torch.equal(near.module.layers[0].Z, gptq.module.layers[0].Z)
+    assert errs["gptq"] < errs["nearest"], errs
