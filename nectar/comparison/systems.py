@@ -215,6 +215,14 @@ register(System("recon_first_gptq@int4", "method", "recon_first@int4 with its fi
                 options={"fit": True, "fit_queries": "recon", "score_queries": "recon", "fit_keys": FIRST_FIT_KEYS,
                          "score_window": FIRST_SCORE_WINDOW, "value_rounding": "gptq"}, default=False))
 
+# ... with each head's keys chosen together for the fit they allow (orthogonal least squares over 4× its
+# top-scored keys, nectar/states/greedy_keys.py) instead of its top-scored ones: the same counts (issue 38)
+register(System("recon_first_greedy@int4", "method", "recon_first@int4 with each head's keys (as many) chosen "
+                "greedily from 4x its top-scored ones to span the fit queries' mass and output", method="recon_fit",
+                bits=4, options={"fit": True, "fit_queries": "recon", "score_queries": "recon",
+                                 "fit_keys": FIRST_FIT_KEYS, "score_window": FIRST_SCORE_WINDOW,
+                                 "key_choice": "greedy"}, default=False))
+
 
 # The bits allocated by rate and distortion (issue 38, nectar/states/recon_mixed.py): recon_first's keys and
 # queries, each (layer, KV head) stored at int2, int4 or int8 as distortion removed per byte decides (opt-in:

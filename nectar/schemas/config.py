@@ -239,6 +239,17 @@ class SelectionConfig(FrozenConfig):
     # ("nearest"), or row by row with each rounding error moved onto the rows not yet rounded by the value
     # fit's own least-squares objective ("gptq": states/value_rounding.py); the same bytes either way
     value_rounding: Literal["nearest", "gptq"] = added_setting("nearest")
+    # which keys a head keeps, as many as the allocation gives it: its top-scored ones ("top"), or chosen
+    # together from 4× that many top-scored ones for the fit they allow ("greedy": orthogonal least
+    # squares on the fit queries' attention, states/greedy_keys.py; needs fit)
+    key_choice: Literal["top", "greedy"] = added_setting("top")
+
+    @model_validator(mode="after")
+    def _greedy_needs_fit(self) -> "SelectionConfig":
+        if self.key_choice == "greedy" and not self.fit:
+            raise ValueError("select.key_choice=greedy chooses keys for the fit on the fit queries: set select.fit=true "
+                             "or key_choice=top")
+        return self
 
     @model_validator(mode="after")
     def _window_needs_max(self) -> "SelectionConfig":

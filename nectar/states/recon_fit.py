@@ -22,6 +22,7 @@ from ..layout import PromptLayout
 from ..modules.budget import ragged_pair_bytes
 from ..modules.builder import ModulePlan, NectarModule
 from ..schemas.config import ModuleConfig, SelectionConfig
+from .greedy_keys import greedy_kept
 from .interface import FitInputs, FittedState, StateMethod
 from .reconstruction import (ReconCapture, allocate, anchor_mask, build_selected, combined_scores, recon_capture,
                              selection_plan, template_mask, train_scores)
@@ -44,7 +45,6 @@ def fit_recon(base: BaseLM, layout: PromptLayout, document: str, doc_kv, targets
     start = time.perf_counter()
     kept = allocate(scores, plan, pair_bytes, select.budget, anchors(layout, document, select))
     timings["allocate_s"] = timings.get("allocate_s", 0.0) + time.perf_counter() - start
-    qplan = selection_plan(plan, kept, select.fit)
     queries = None
     if select.fit:
         start = time.perf_counter()
@@ -52,6 +52,11 @@ def fit_recon(base: BaseLM, layout: PromptLayout, document: str, doc_kv, targets
                   for g in select.fit_gaps]
         timings["recon_gaps_s"] = timings.get("recon_gaps_s", 0.0) + time.perf_counter() - start
         queries = fit_queries(cap, train, select, seed, gapped)
+        if select.key_choice == "greedy":
+            start = time.perf_counter()
+            kept = greedy_kept(kept, scores, queries, doc_kv, plan.scaling, anchors(layout, document, select))
+            timings["key_choice_s"] = timings.get("key_choice_s", 0.0) + time.perf_counter() - start
+    qplan = selection_plan(plan, kept, select.fit)
     module = build_selected(qplan, kept, doc_kv, queries, select.quant_aware, timings=timings, fit_keys=select.fit_keys,
                             value_rounding=select.value_rounding)
     return FittedState(ReconFit.name, module, qplan, scores=scores)  # scores [L, Hkv, n]: what the allocation ranked
@@ -144,6 +149,8 @@ class ReconFit(StateMethod):
     # below 32 bits: the fitted values rounded each to its nearest grid point, or by the value fit's own
     # objective ("gptq", value_rounding.py)
     value_rounding: Literal["nearest", "gptq"] = "nearest"
+    # a head's kept keys: its top-scored ones, or chosen together for the fit ("greedy", greedy_keys.py)
+    key_choice: Literal["top", "greedy"] = "top"
 
     name = "recon_fit"
     READS = frozenset({"doc_kv", "document", "train_queries"})

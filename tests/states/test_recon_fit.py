@@ -338,3 +338,19 @@ def test_gptq_value_rounding_keeps_the_pairs_and_bytes_and_fits_its_queries_clos
         assert torch.equal(fake_quantize(b.Z[0, :c].detach(), 4), b.Z[0, :c].detach())
     assert not torch.equal(near.module.layers[0].Z, gptq.module.layers[0].Z)
     assert errs["gptq"] < errs["nearest"], errs
+
+
+def test_greedy_key_choice_keeps_each_heads_count_the_bytes_and_the_sinks(tiny):
+    """``key_choice: greedy`` rechooses which keys a head keeps (states/greedy_keys.py), not how many."""
+    base, layout, kv, url, spans = tiny
+    plan = _plan(base, layout.n, 0.01)  # scarce: the heads keep under an eighth of the keys
+    qplan = plan.__class__(**{**plan.__dict__, "bits": 4})
+    top = fit_recon(base, layout, DOC, kv, None, qplan, SelectionConfig(fit_queries="recon"), spans)
+    greedy = fit_recon(base, layout, DOC, kv, None, qplan, SelectionConfig(fit_queries="recon", key_choice="greedy"),
+                       spans)
+    assert greedy.plan.quad_head_pairs == top.plan.quad_head_pairs and greedy.nbytes == top.nbytes
+    sinks = kv.keys[0][0, :4].float()  # the first tokens' keys (layer 0, KV head 0): kept by both
+    for W in (top.module.layers[0].W[0].detach(), greedy.module.layers[0].W[0].detach()):
+        stored = fake_quantize(sinks, 4)
+        assert all(any(torch.equal(r, w) for w in W) for r in stored)
+    assert any(not torch.equal(a.W, b.W) for a, b in zip(top.module.layers, greedy.module.layers))
