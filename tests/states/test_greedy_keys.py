@@ -43,22 +43,19 @@ def test_greedy_choice_needs_the_fit():
         SelectionConfig(fit=False, key_choice="greedy")
 
 
-def test_only_heads_where_keys_are_scarce_are_rechosen():
-    """A head keeping over n / (2·pool) keys (its pool would be over half the document) keeps its
-    top-scored keys; one keeping fewer is rechosen, with its count."""
+def test_a_head_over_the_cap_keeps_its_top_keys_and_one_under_it_is_rechosen(monkeypatch):
     from types import SimpleNamespace
 
-    from nectar.states.greedy_keys import POOL, greedy_kept
+    import nectar.states.greedy_keys as greedy
 
+    monkeypatch.setattr(greedy, "MAX_GREEDY_KEYS", 20)
     g = torch.Generator().manual_seed(3)
     n, d, T = 400, 8, 64
     keys = [torch.randn(2, n, d, generator=g)]  # one layer, two KV heads [Hkv, n, d]
     queries = SimpleNamespace(q=torch.randn(T, 1, 2, d, generator=g), alpha=torch.zeros(T, 1, 2),
                               A=torch.randn(T, 1, 2, d, generator=g))  # one query head per KV head
     scores = torch.rand(1, 2, n, generator=g)
-    few, many = n // (2 * POOL) // 2, n // (2 * POOL) + 1
-    kept = [[torch.topk(scores[0, 0], few).indices.sort().values, torch.topk(scores[0, 1], many).indices.sort().values]]
-    anchors = torch.zeros(n, dtype=torch.bool)
-    out = greedy_kept(kept, scores, queries, SimpleNamespace(keys=keys), 0.35, anchors)
-    assert torch.equal(out[0][1], kept[0][1])  # over the line: its own keys
-    assert out[0][0].numel() == few and not torch.equal(out[0][0], kept[0][0])
+    kept = [[torch.topk(scores[0, 0], 20).indices.sort().values, torch.topk(scores[0, 1], 21).indices.sort().values]]
+    out = greedy.greedy_kept(kept, scores, queries, SimpleNamespace(keys=keys), 0.35, torch.zeros(n, dtype=torch.bool))
+    assert torch.equal(out[0][1], kept[0][1])  # over the cap: its own keys
+    assert out[0][0].numel() == 20 and not torch.equal(out[0][0], kept[0][0])

@@ -343,7 +343,7 @@ def test_gptq_value_rounding_keeps_the_pairs_and_bytes_and_fits_its_queries_clos
 def test_greedy_key_choice_keeps_each_heads_count_the_bytes_and_the_sinks(tiny):
     """``key_choice: greedy`` rechooses which keys a head keeps (states/greedy_keys.py), not how many."""
     base, layout, kv, url, spans = tiny
-    plan = _plan(base, layout.n, 0.01)  # scarce: the heads keep under an eighth of the keys
+    plan = _plan(base, layout.n, 0.05)
     qplan = plan.__class__(**{**plan.__dict__, "bits": 4})
     top = fit_recon(base, layout, DOC, kv, None, qplan, SelectionConfig(fit_queries="recon"), spans)
     greedy = fit_recon(base, layout, DOC, kv, None, qplan, SelectionConfig(fit_queries="recon", key_choice="greedy"),
