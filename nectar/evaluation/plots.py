@@ -202,9 +202,15 @@ def delta_by_document(rows: Sequence[dict]) -> bytes | None:
         ax.set_xticklabels([f"{d}*" if d in tuned else d for d in docs], rotation=30, ha="right", fontsize=8)
         ax.set_ylabel("Δ recovered KL, points")
         ax.set_title(f"{split}: state − {against} (95 % paired CI)", fontsize=9)
-        ax.legend(fontsize=7, ncol=min(len(series), 4))
     axes[-1, 0].set_xlabel("document (* = used while tuning a setting)")
-    return _png(fig)
+    # one legend for every panel, beside them: inside, several states' labels covered the points
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return buf.getvalue()
 
 
 def allocation_heatmap(states: dict[str, Sequence[Sequence[int]]]) -> bytes | None:
