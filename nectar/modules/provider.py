@@ -80,6 +80,14 @@ def group_queries(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return q.reshape(T, num_kv_heads, g, d).permute(0, 2, 1, 3).reshape(T * g, num_kv_heads, d)
 
 
+def grouped_targets(data, layer: int, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One layer of captured targets (``data``: q [T, L, Hq, d], alpha [T, L, Hq], A [T, L, Hq, d]) in the
+    module layout, float32: q [T·g, Hkv, d], α [T·g, Hkv], A [T·g, Hkv, d]."""
+    q = group_queries(data.q[:, layer].float(), num_kv_heads)
+    alpha = group_queries(data.alpha[:, layer].float().unsqueeze(-1), num_kv_heads).squeeze(-1)
+    return q, alpha, group_queries(data.A[:, layer].float(), num_kv_heads)
+
+
 def ungroup(x: torch.Tensor, num_q_heads: int) -> torch.Tensor:
     """Inverse of ``group_queries`` for [T·g, Hkv, …] → [T, Hq, …]."""
     hkv = x.shape[1]

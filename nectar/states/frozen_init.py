@@ -19,7 +19,7 @@ import torch
 
 from ..modules.budget import pairs_in_bytes
 from ..modules.builder import ModulePlan, NectarModule, build_module
-from ..modules.provider import group_queries
+from ..modules.provider import grouped_targets
 from ..modules.stored import quantize_module_
 from ..quantization import fake_quantize
 from .interface import FitInputs, FittedState, StateMethod
@@ -80,9 +80,7 @@ def select_per_head(module: NectarModule, plan: ModulePlan, doc_kv, data: QueryT
         keys = doc_kv.keys[layer].detach().float().cpu()  # [Hkv, n, d]
         values = doc_kv.values[layer].detach().float().cpu()
         p = plan.quad_pairs[layer]
-        q = group_queries(data.q[:, layer].float(), hkv)  # [T·g, Hkv, d]
-        alpha = group_queries(data.alpha[:, layer].float().unsqueeze(-1), hkv).squeeze(-1)  # [T·g, Hkv]
-        A = group_queries(data.A[:, layer].float(), hkv)  # [T·g, Hkv, d]
+        q, alpha, A = grouped_targets(data, layer, hkv)  # [T·g, Hkv, d], [T·g, Hkv], [T·g, Hkv, d]
         W, Z, B = [], [], []
         for h in range(hkv):
             probs = attention_probs(q[:, h], alpha[:, h], keys[h], plan.scaling)  # [T·g, n]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ..modules.provider import group_queries
+from ..modules.provider import grouped_targets
 from .reconstruction import run_per_head
 from .selection import attention_probs
 
@@ -44,9 +44,7 @@ def greedy_kept(kept: list[list[torch.Tensor]], scores: torch.Tensor, queries, d
     out = [list(heads) for heads in kept]
     for layer, heads in enumerate(kept):
         hkv = len(heads)
-        q = group_queries(queries.q[:, layer].float(), hkv)  # [T·g, Hkv, d]
-        alpha = group_queries(queries.alpha[:, layer].float().unsqueeze(-1), hkv).squeeze(-1)  # [T·g, Hkv]
-        A = group_queries(queries.A[:, layer].float(), hkv)  # [T·g, Hkv, d]
+        q, alpha, A = grouped_targets(queries, layer, hkv)  # [T·g, Hkv, d], [T·g, Hkv], [T·g, Hkv, d]
         keys = doc_kv.keys[layer].detach().float().cpu()  # [Hkv, n, d]
         for h, idx in enumerate(heads):
             c = idx.numel()

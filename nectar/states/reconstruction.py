@@ -36,7 +36,7 @@ from ..layout import PromptLayout
 from ..base_model import BaseLM
 from ..modules.budget import ragged_beta_bits
 from ..modules.builder import ModulePlan, NectarModule, build_module
-from ..modules.provider import group_queries
+from ..modules.provider import group_queries, grouped_targets
 from ..modules.stored import quantize_module_
 from ..quantization import fake_quantize
 from ..targets.capture import pack
@@ -370,9 +370,7 @@ def build_selected(plan: ModulePlan, kept: list[list[torch.Tensor]], doc_kv, que
         Z = torch.zeros(hkv, p, plan.head_dim)
         B = torch.full((hkv, p), float("-inf"))  # masked slots
         if queries is not None:
-            q = group_queries(queries.q[:, layer].float(), hkv)  # [T·g, Hkv, d]
-            alpha = group_queries(queries.alpha[:, layer].float().unsqueeze(-1), hkv).squeeze(-1)  # [T·g, Hkv]
-            A = group_queries(queries.A[:, layer].float(), hkv)  # [T·g, Hkv, d]
+            q, alpha, A = grouped_targets(queries, layer, hkv)  # [T·g, Hkv, d], [T·g, Hkv], [T·g, Hkv, d]
         for h, idx in enumerate(kept[layer]):
             c = idx.numel()
             if c == 0:  # a head this state keeps nothing of (a mixed-precision part): all slots masked
