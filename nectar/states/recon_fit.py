@@ -43,7 +43,8 @@ def fit_recon(base: BaseLM, layout: PromptLayout, document: str, doc_kv, targets
     cap, train, scores = ranking(base, layout, doc_kv, targets, plan, select, spans, seed, timings)
     pair_bytes = ragged_pair_bytes(plan.head_dim, select.fit, plan.bits, plan.quant_group)
     start = time.perf_counter()
-    kept = allocate(scores, plan, pair_bytes, select.budget, anchors(layout, document, select))
+    kept_always = anchors(layout, document, select)  # [n] bool
+    kept = allocate(scores, plan, pair_bytes, select.budget, kept_always)
     timings["allocate_s"] = timings.get("allocate_s", 0.0) + time.perf_counter() - start
     queries = None
     if select.fit:
@@ -54,7 +55,7 @@ def fit_recon(base: BaseLM, layout: PromptLayout, document: str, doc_kv, targets
         queries = fit_queries(cap, train, select, seed, gapped)
         if select.key_choice == "greedy":
             start = time.perf_counter()
-            kept = greedy_kept(kept, scores, queries, doc_kv, plan.scaling, anchors(layout, document, select))
+            kept = greedy_kept(kept, scores, queries, doc_kv, plan.scaling, kept_always)
             timings["key_choice_s"] = timings.get("key_choice_s", 0.0) + time.perf_counter() - start
     qplan = selection_plan(plan, kept, select.fit)
     module = build_selected(qplan, kept, doc_kv, queries, select.quant_aware, timings=timings, fit_keys=select.fit_keys,
