@@ -130,9 +130,10 @@ def write_reference(base: BaseLM, doc_kv, pairs: list[EvalPair], n: int, path: P
 
 
 def request(base: BaseLM, model_dir: Path, doc_ids: list[int], pairs: list[EvalPair],
-            jobs: list[PressJob], threads: int | None) -> tuple[dict, dict[str, str]]:
+            jobs: list[PressJob], threads: int | None, score_once: bool = True) -> tuple[dict, dict[str, str]]:
     """The worker's request, and {job key: why} for the jobs no press can run (e.g. a byte budget
-    that keeps more than every entry at that precision): those are left out, the others run."""
+    that keeps more than every entry at that precision): those are left out, the others run.
+    ``score_once``: KVzip's jobs share one scoring pass (the worker's SCORED_ONCE; the same masks)."""
     bytes_per_value = torch.finfo(base.dtype).bits // 8
     ratios, errors = {}, {}
     for j in jobs:
@@ -144,6 +145,7 @@ def request(base: BaseLM, model_dir: Path, doc_ids: list[int], pairs: list[EvalP
     req = {
         "model_dir": str(model_dir), "dtype": str(base.dtype).removeprefix("torch."),
         "doc_ids": list(map(int, doc_ids)), "tolerance": GUARD_TOLERANCE, "threads": threads,
+        "score_once": score_once,
         "quantization_py": str(QUANTIZATION_PY) if any(j.bits != 32 for j in runnable) else None,
         "pairs": [{"pair_id": p.pair_id, "ids": list(map(int, p.ids)), "response_start": p.response_start}
                   for p in pairs],
@@ -201,14 +203,16 @@ def parse_result(raw: dict, jobs: list[PressJob]) -> BridgeResult:
 
 def score_presses(base: BaseLM, cfg: ModelConfig, doc_ids: list[int], doc_kv, pairs: list[EvalPair],
                   jobs: list[PressJob], workdir: str | Path, threads: int | None = None,
-                  log: Callable[[str], None] = print, model_dir: str | Path | None = None) -> BridgeResult:
+                  log: Callable[[str], None] = print, model_dir: str | Path | None = None,
+                  score_once: bool = True) -> BridgeResult:
     """Every press job's per-pair sums on ``pairs`` (raises KvpressEnvError / KvpressError).
-    ``model_dir``: the folder kvpress loads (default: the run's model, ``model_folder``)."""
+    ``model_dir``: the folder kvpress loads (default: the run's model, ``model_folder``); ``score_once``:
+    see ``request``."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     env = ensure_env(log=log)
     req, skipped = request(base, Path(model_dir) if model_dir else model_folder(base, cfg), doc_ids, pairs, jobs,
-                           threads)
+                           threads, score_once)
     (workdir / "request.json").write_text(json.dumps(req))
     t0 = time.perf_counter()
     ref = workdir / "reference.npy"

@@ -66,6 +66,30 @@ def test_presses_score_the_exact_pairs_against_our_full_model(kvpress_env, tiny_
 
 
 @pytest.mark.slow
+def test_kvzip_jobs_scored_once_keep_what_a_pass_of_their_own_keeps(kvpress_env, tiny_llama, tiny_doc, tmp_path):
+    """Every KVzip job (budgets, precisions, the layer-wise variant) selecting from one scoring pass gets the
+    same kept entries and the same per-pair sums, bit for bit, as a press pass per job."""
+    layout, doc_kv, pairs = tiny_doc
+    cfg = ModelConfig(name="tiny:llama", device="cpu")
+    jobs = [PressJob("kvzip@0.3", "kvzip", 0.3), PressJob("kvzip@0.6", "kvzip", 0.6),
+            PressJob("kvzip:int4@0.05", "kvzip", 0.05, 4), PressJob("kvzip:int8@0.1", "kvzip", 0.1, 8),
+            PressJob("kvzip_layerwise@0.3", "kvzip_layerwise", 0.3), PressJob("snapkv@0.3", "snapkv", 0.3)]
+    once = score_presses(tiny_llama, cfg, list(layout.context_ids), doc_kv, pairs, jobs, tmp_path / "once")
+    each = score_presses(tiny_llama, cfg, list(layout.context_ids), doc_kv, pairs, jobs, tmp_path / "each",
+                         score_once=False)
+    assert not once.errors and not each.errors and set(once.results) == {j.key for j in jobs}
+    for key, r in once.results.items():
+        e = each.results[key]
+        assert r.kept_entries == e.kept_entries and r.state_bytes == e.state_bytes, key
+        for field in ("correct", "nll", "kl", "n"):
+            assert getattr(r.sums, field).tolist() == getattr(e.sums, field).tolist(), (key, field)
+    # the budgets differ, so the shared pass really served different selections
+    assert once.results["kvzip@0.3"].kept_entries < once.results["kvzip@0.6"].kept_entries
+    raw = __import__("json").loads((tmp_path / "once" / "result.json").read_text())["jobs"]
+    assert raw["kvzip@0.6"]["scored_once"] and not raw["snapkv@0.3"]["scored_once"]
+
+
+@pytest.mark.slow
 def test_guard_refuses_every_row_on_a_deliberately_mismatched_model(kvpress_env, tiny_llama, tiny_doc, tmp_path):
     from transformers import AutoModelForCausalLM
 
