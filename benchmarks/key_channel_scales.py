@@ -12,7 +12,13 @@ benchmarks/document_panel.py with, for that system only, (1) the fit's keys "as 
 that grid when the values and β are rounded for storage. The state's ``bytes`` column stays the per-row
 count; each fit prints what per-channel keys add or save (c·d·bits/8 + 4·d bytes a head against c·(d·bits/8
 + 4)), so the comparison is at the bytes printed, not exactly equal ones. The paired reference is the plain
-recon_first@int4 on the same probes."""
+recon_first@int4 on the same probes.
+
+    python benchmarks/key_channel_scales.py logit-error [--keys 20,60,200]
+
+prints the RMS logit error of a head's kept keys rounded per row and per channel, relative to the logits'
+spread, on the default document (its first 1,500 tokens; every (layer, KV head); the keys its own queries
+attend to most), at int2, int4 and int8."""
 from __future__ import annotations
 
 import dataclasses
@@ -84,8 +90,58 @@ def install() -> None:
     compose._fit_part = fit_part
 
 
-if __name__ == "__main__":
-    import document_panel
+@torch.no_grad()
+def logit_errors(keep: int, tokens: int = 1500) -> dict[str, float]:
+    """Mean over (layer, KV head) of RMS(q·(k̂ − k))/std(q·k) for the ``keep`` keys the document's own
+    queries (every 4th) attend to most, per rounding."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    install()
-    document_panel.main(sys.argv[1:])
+    from nectar.base_model import embedded_smollm2_dir
+    from nectar.cache_call import cache_kwargs
+    from nectar.documents import load_document
+
+    folder = embedded_smollm2_dir()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = AutoTokenizer.from_pretrained(folder)(load_document("pydoc:naming")[0], return_tensors="pt").input_ids
+    queries = {}
+
+    def capture(attn, args, kwargs, out):  # the layer's RoPE'd queries [Hq, t, d]
+        h = kwargs["hidden_states"]
+        q = attn.q_proj(h).view(*h.shape[:2], -1, attn.head_dim).transpose(1, 2)
+        queries[attn.layer_idx] = apply_rotary_pos_emb(q, q, *kwargs["position_embeddings"])[0][0]
+
+    hooks = [layer.self_attn.register_forward_hook(capture, with_kwargs=True) for layer in model.model.layers]
+    cache = DynamicCache()
+    model.model(input_ids=ids[:, :tokens], **cache_kwargs(model.model, cache))
+    for hook in hooks:
+        hook.remove()
+    hkv = model.config.num_key_value_heads
+    g = model.config.num_attention_heads // hkv
+    scale = model.config.head_dim ** -0.5 if getattr(model.config, "head_dim", None) else \
+        (model.config.hidden_size // model.config.num_attention_heads) ** -0.5
+    roundings = {f"int{b} per row": (lambda k, b=b: fake_quantize(k, b, 64)) for b in (2, 4, 8)}
+    roundings.update({f"int{b} per channel": (lambda k, b=b: per_channel(k, b)) for b in (2, 4)})
+    errors = {name: [] for name in roundings}
+    for layer, q_all in queries.items():
+        keys = cache.layers[layer].keys[0]  # [Hkv, t, d]
+        for h in range(hkv):
+            q = q_all[h * g:(h + 1) * g].reshape(-1, keys.shape[-1])[::4]  # [g·t/4, d]
+            kept = keys[h, torch.softmax(q @ keys[h].T * scale, -1).amax(0).topk(keep).indices]  # [keep, d]
+            exact = q @ kept.T * scale
+            for name, rnd in roundings.items():
+                errors[name].append(float((q @ rnd(kept).T * scale - exact).pow(2).mean().sqrt() / exact.std()))
+    return {name: sum(v) / len(v) for name, v in errors.items()}
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["logit-error"]:
+        counts = sys.argv[sys.argv.index("--keys") + 1] if "--keys" in sys.argv else "20,60,200"
+        for keep in map(int, counts.split(",")):
+            print(f"{keep} keys a head: " + ", ".join(f"{k} {v:.3f}" for k, v in logit_errors(keep).items()),
+                  flush=True)
+    else:
+        import document_panel
+
+        install()
+        document_panel.main(sys.argv[1:])
