@@ -207,6 +207,13 @@ register(System("recon_first_allscores@int4", "method", "recon_first@int4 with e
                 options={"fit": True, "fit_queries": "recon", "score_queries": "recon", "fit_keys": FIRST_FIT_KEYS,
                          "score_window": None}, default=False))
 
+# ... stored at int8: half the keys of int4 in the same bytes (issue 38: does the first state's precision explain
+# its 5 % shortfall against KVzip+int8? On pydoc:naming it does not; docs/quality.md, "A panel of documents")
+register(System("recon_first@int8", "method", "recon_first@int4's selection and fit, stored at int8 (fp16 scale "
+                "and zero per 64 values, β bf16): half the pairs in the same bytes", method="recon_fit", bits=8,
+                options={"fit": True, "fit_queries": "recon", "score_queries": "recon", "fit_keys": FIRST_FIT_KEYS,
+                         "score_window": FIRST_SCORE_WINDOW}, default=False))
+
 # ... with the fitted values rounded onto their int4 grid by the value fit's own objective (GPTQ's rounding,
 # nectar/states/value_rounding.py) instead of each to its nearest point: the same bytes (issue 38)
 register(System("recon_first_gptq@int4", "method", "recon_first@int4 with its fitted values rounded onto the "
