@@ -4,15 +4,16 @@ key row along d — measured before the module format can store it (it cannot ye
 fused/vLLM serving paths hold one group along d per row).
 
     python benchmarks/key_channel_scales.py --out OUT --documents try --budgets 0.005,0.01 \\
-        --states recon_first_kchan@int4 --references recon_first@int4,kvpress:kvzip:int4 --reference recon_first@int4
+        --states recon_first_kchan@int4 --references recon_first_top@int4,kvpress:kvzip:int4 --reference recon_first_top@int4
 
-It registers ``recon_first_kchan@int4`` (recon_first@int4's settings under another name) and runs
+It registers ``recon_first_kchan@int4`` (recon_first_top@int4's settings — the first state as it was measured,
+each head's top-scored keys — under another name) and runs
 benchmarks/document_panel.py with, for that system only, (1) the fit's keys "as stored" rounded per channel
 (β and values fitted against them, as the product's quant-aware fit does) and (2) the module's keys left on
 that grid when the values and β are rounded for storage. The state's ``bytes`` column stays the per-row
 count; each fit prints what per-channel keys add or save (c·d·bits/8 + 4·d bytes a head against c·(d·bits/8
 + 4)), so the comparison is at the bytes printed, not exactly equal ones. The paired reference is the plain
-recon_first@int4 on the same probes.
+recon_first_top@int4 on the same probes.
 
     python benchmarks/key_channel_scales.py logit-error [--keys 20,60,200]
 
@@ -84,8 +85,8 @@ def fit_part(part, s, rho, base, gap=0):
 def install() -> None:
     """Register the simulated system and route the fit's and the store's rounding through this file (in
     this process only: the script's own, never on import)."""
-    register(dataclasses.replace(SYSTEMS["recon_first@int4"], name=NAME,
-                                 description="recon_first@int4 with its keys rounded per channel (simulated)"))
+    register(dataclasses.replace(SYSTEMS["recon_first_top@int4"], name=NAME,
+                                 description="recon_first_top@int4 with its keys rounded per channel (simulated)"))
     reconstruction.fake_quantize, reconstruction.quantize_module_ = keys_round, store_round
     compose._fit_part = fit_part
 

@@ -40,9 +40,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ..schemas.config import FIRST_FIT_KEYS, FIRST_SCORE_WINDOW, ModuleConfig, PipelineConfig, TrainConfig
+from ..schemas.config import (FIRST_FIT_KEYS, FIRST_KEY_CHOICE, FIRST_SCORE_WINDOW, ModuleConfig, PipelineConfig,
+                              TrainConfig)
 from ..schemas.presets import PRESET_REGIMES, PRESETS, REGIMES, ConfigError, deep_merge, regime_overlay
 from ..schemas.renamed import renamed
+from ..states.greedy_keys import GREEDY_SHARE
 from ..states.kvpress_press import PREFIX as KVPRESS_PREFIX
 from ..states import StateMethod, get_method
 from ..states.kvpress_press import KvpressPress, PressNameError
@@ -183,52 +185,55 @@ for _bits in (8, 4):
                         options=_opts, default=_default))
 
 
+# The first state's settings before its key choice went "auto" (issue 38): the variants below are this with one
+# setting changed, as they were measured (their cache keys unchanged)
+FIRST_TOP = {"fit": True, "fit_queries": "recon", "score_queries": "recon", "fit_keys": FIRST_FIT_KEYS,
+             "score_window": FIRST_SCORE_WINDOW}
+
 # The first state's algorithm (nectar/stages/first.py) at any budget: keys ranked and β, values fitted on the
 # reconstruction queries alone, int4 — from the document alone, so its state s is prefill + fit (opt-in).
 register(System("recon_first@int4", "method", "the first stage's state: recon_fit ranked and fitted on the "
                 "reconstruction queries alone (no question about the document), at most "
                 f"{FIRST_FIT_KEYS:,} keys of a head fitted jointly, each key scored by the reconstruction within "
-                f"{FIRST_SCORE_WINDOW:,} tokens of it, stored at int4 (fp16 scale and zero per 64 values, β bf16)",
-                method="recon_fit", bits=4,
-                options={"fit": True, "fit_queries": "recon", "score_queries": "recon", "fit_keys": FIRST_FIT_KEYS,
-                         "score_window": FIRST_SCORE_WINDOW}, default=False))
+                f"{FIRST_SCORE_WINDOW:,} tokens of it, a head's keys chosen together for the fit where the state "
+                f"keeps at most {GREEDY_SHARE:.0%} of the document's entries (top-scored above), stored at int4 "
+                "(fp16 scale and zero per 64 values, β bf16)",
+                method="recon_fit", bits=4, options={**FIRST_TOP, "key_choice": FIRST_KEY_CHOICE}, default=False))
+# ... keeping each head's top-scored keys at every budget, as the first state did before (issue 38's panel
+# measured this as the first state: docs/quality.md, "A panel of documents")
+register(System("recon_first_top@int4", "method", "recon_first@int4 keeping each head's top-scored keys at every "
+                "budget", method="recon_fit", bits=4, options=FIRST_TOP, default=False))
 # ... fitting every kept key of a head jointly, as the first state did before the cap (issue 39): on long
 # documents slower and worse (docs/quality.md, "A cap on the keys fitted jointly")
-register(System("recon_first_allkeys@int4", "method", "recon_first@int4 fitting every kept key of a head jointly "
-                "(no cap)", method="recon_fit", bits=4,
-                options={"fit": True, "fit_queries": "recon", "score_queries": "recon", "fit_keys": None,
-                         "score_window": FIRST_SCORE_WINDOW}, default=False))
+register(System("recon_first_allkeys@int4", "method", "recon_first_top@int4 fitting every kept key of a head "
+                "jointly (no cap)", method="recon_fit", bits=4, options={**FIRST_TOP, "fit_keys": None},
+                default=False))
 
 # ... with every reconstruction batch scoring every key, as the first state did before its score window
 # (issue 39): the same probe figures on a 5.3k-token text, a scoring that grows with n² (docs/quality.md,
 # "Scores from the nearby reconstruction")
-register(System("recon_first_allscores@int4", "method", "recon_first@int4 with every reconstruction batch "
+register(System("recon_first_allscores@int4", "method", "recon_first_top@int4 with every reconstruction batch "
                 "scoring every key (no score window)", method="recon_fit", bits=4,
-                options={"fit": True, "fit_queries": "recon", "score_queries": "recon", "fit_keys": FIRST_FIT_KEYS,
-                         "score_window": None}, default=False))
+                options={**FIRST_TOP, "score_window": None}, default=False))
 
 # ... stored at int8: half the keys of int4 in the same bytes (issue 38: does the first state's precision explain
 # its 5 % shortfall against KVzip+int8? On pydoc:naming it does not; docs/quality.md, "A panel of documents")
-register(System("recon_first@int8", "method", "recon_first@int4's selection and fit, stored at int8 (fp16 scale "
-                "and zero per 64 values, β bf16): half the pairs in the same bytes", method="recon_fit", bits=8,
-                options={"fit": True, "fit_queries": "recon", "score_queries": "recon", "fit_keys": FIRST_FIT_KEYS,
-                         "score_window": FIRST_SCORE_WINDOW}, default=False))
+register(System("recon_first@int8", "method", "recon_first_top@int4's selection and fit, stored at int8 (fp16 "
+                "scale and zero per 64 values, β bf16): half the pairs in the same bytes", method="recon_fit", bits=8,
+                options=FIRST_TOP, default=False))
 
 # ... with the fitted values rounded onto their int4 grid by the value fit's own objective (GPTQ's rounding,
 # nectar/states/value_rounding.py) instead of each to its nearest point: the same bytes (issue 38)
-register(System("recon_first_gptq@int4", "method", "recon_first@int4 with its fitted values rounded onto the "
+register(System("recon_first_gptq@int4", "method", "recon_first_top@int4 with its fitted values rounded onto the "
                 "int4 grid row by row, each rounding error moved onto the rows not yet rounded by the value "
                 "fit's least squares (GPTQ)", method="recon_fit", bits=4,
-                options={"fit": True, "fit_queries": "recon", "score_queries": "recon", "fit_keys": FIRST_FIT_KEYS,
-                         "score_window": FIRST_SCORE_WINDOW, "value_rounding": "gptq"}, default=False))
+                options={**FIRST_TOP, "value_rounding": "gptq"}, default=False))
 
 # ... with each head's keys chosen together for the fit they allow (orthogonal least squares over 4× its
-# top-scored keys, nectar/states/greedy_keys.py) instead of its top-scored ones: the same counts (issue 38)
+# top-scored keys, nectar/states/greedy_keys.py) at every budget: the same counts (issue 38)
 register(System("recon_first_greedy@int4", "method", "recon_first@int4 with each head's keys (as many) chosen "
-                "greedily from 4x its top-scored ones to span the fit queries' mass and output", method="recon_fit",
-                bits=4, options={"fit": True, "fit_queries": "recon", "score_queries": "recon",
-                                 "fit_keys": FIRST_FIT_KEYS, "score_window": FIRST_SCORE_WINDOW,
-                                 "key_choice": "greedy"}, default=False))
+                "greedily from 4x its top-scored ones to span the fit queries' mass and output, at every budget",
+                method="recon_fit", bits=4, options={**FIRST_TOP, "key_choice": "greedy"}, default=False))
 
 
 # The bits allocated by rate and distortion (issue 38, nectar/states/recon_mixed.py): recon_first's keys and

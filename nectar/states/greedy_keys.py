@@ -29,9 +29,23 @@ POOL = 4  # candidates per kept key: the head's pool × kept best-scored keys
 # and a wide head is where keys are not scarce. (Sparing also the heads keeping over an eighth of the
 # document cost 1.8 of the 10.2 points gained at 0.5 % on the default document, and saved ~20 s at 5 %.)
 MAX_GREEDY_KEYS = 512
+# key_choice "auto": greedy when the state keeps at most this share of the document's (layer, KV head, token)
+# entries. Scarce keys are where choosing them together pays: on the document panel greedy gained at 0.5 % of
+# the float32 bytes at int4 (3.5 % of the entries kept) on every document, was mixed at 1 % (6.9 %) and level
+# from 2 % (docs/quality.md, "Keys chosen together for the fit")
+GREEDY_SHARE = 0.05
 # the selection reads every k-th fit query, at most this many: enough rows to tell the keys' attention
 # patterns apart (the fit itself still reads them all); float32, where float64 took ~3× as long
 MAX_ROWS = 2048
+
+
+def chooses_greedy(key_choice: str, kept: list[list[torch.Tensor]], n: int) -> bool:
+    """Whether ``key_choice`` rechooses the allocation's ``kept`` [L][Hkv] keys of an ``n``-token document
+    greedily: always ("greedy"), never ("top"), or when they are at most GREEDY_SHARE of its entries ("auto")."""
+    if key_choice != "auto":
+        return key_choice == "greedy"
+    entries = sum(idx.numel() for heads in kept for idx in heads)
+    return entries <= GREEDY_SHARE * n * sum(len(heads) for heads in kept)
 
 
 def greedy_kept(kept: list[list[torch.Tensor]], scores: torch.Tensor, queries, doc_kv, scaling: float,

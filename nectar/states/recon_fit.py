@@ -22,7 +22,7 @@ from ..layout import PromptLayout
 from ..modules.budget import ragged_pair_bytes
 from ..modules.builder import ModulePlan, NectarModule
 from ..schemas.config import ModuleConfig, SelectionConfig
-from .greedy_keys import greedy_kept
+from .greedy_keys import chooses_greedy, greedy_kept
 from .interface import FitInputs, FittedState, StateMethod
 from .reconstruction import (ReconCapture, allocate, anchor_mask, build_selected, combined_scores, recon_capture,
                              selection_plan, template_mask, train_scores)
@@ -53,7 +53,7 @@ def fit_recon(base: BaseLM, layout: PromptLayout, document: str, doc_kv, targets
                   for g in select.fit_gaps]
         timings["recon_gaps_s"] = timings.get("recon_gaps_s", 0.0) + time.perf_counter() - start
         queries = fit_queries(cap, train, select, seed, gapped)
-        if select.key_choice == "greedy":
+        if chooses_greedy(select.key_choice, kept, layout.n):
             start = time.perf_counter()
             kept = greedy_kept(kept, scores, queries, doc_kv, plan.scaling, kept_always)
             timings["key_choice_s"] = timings.get("key_choice_s", 0.0) + time.perf_counter() - start
@@ -151,7 +151,8 @@ class ReconFit(StateMethod):
     # objective ("gptq", value_rounding.py)
     value_rounding: Literal["nearest", "gptq"] = "nearest"
     # a head's kept keys: its top-scored ones, or chosen together for the fit ("greedy", greedy_keys.py)
-    key_choice: Literal["top", "greedy"] = "top"
+    # ("auto": greedy where the state keeps at most GREEDY_SHARE of the document's entries, else top)
+    key_choice: Literal["top", "greedy", "auto"] = "top"
 
     name = "recon_fit"
     READS = frozenset({"doc_kv", "document", "train_queries"})

@@ -39,8 +39,9 @@ def test_more_keys_than_distinct_patterns_still_gives_that_many_different_keys()
 
 
 def test_greedy_choice_needs_the_fit():
-    with pytest.raises(ValueError, match="select.key_choice=greedy"):
-        SelectionConfig(fit=False, key_choice="greedy")
+    for choice in ("greedy", "auto"):
+        with pytest.raises(ValueError, match=f"select.key_choice={choice}"):
+            SelectionConfig(fit=False, key_choice=choice)
 
 
 def test_a_head_over_the_cap_keeps_its_top_keys_and_one_under_it_is_rechosen(monkeypatch):

@@ -354,3 +354,37 @@ def test_greedy_key_choice_keeps_each_heads_count_the_bytes_and_the_sinks(tiny):
         stored = fake_quantize(sinks, 4)
         assert all(any(torch.equal(r, w) for w in W) for r in stored)
     assert any(not torch.equal(a.W, b.W) for a, b in zip(top.module.layers, greedy.module.layers))
+
+
+@pytest.mark.parametrize("scarce", [True, False])
+def test_auto_key_choice_is_greedy_where_keys_are_scarce_and_top_elsewhere(tiny, monkeypatch, scarce):
+    """``key_choice: auto`` (the first state's) fits exactly the greedy state when the allocation keeps at most
+    GREEDY_SHARE of the document's entries, and exactly the top-scored one above (the share set at, and just
+    under, what this budget keeps: the tiny document is too short for a budget under 5 %)."""
+    import nectar.states.greedy_keys as greedy_keys
+
+    base, layout, kv, url, spans = tiny
+    plan = _plan(base, layout.n, 0.05)
+    qplan = plan.__class__(**{**plan.__dict__, "bits": 4})
+    fit = {choice: fit_recon(base, layout, DOC, kv, None, qplan, SelectionConfig(fit_queries="recon", key_choice=choice),
+                             spans) for choice in ("top", "greedy")}
+    kept = sum(sum(heads) for heads in fit["top"].plan.quad_head_pairs)
+    share = kept / (base.num_layers * base.num_kv_heads * layout.n)
+    monkeypatch.setattr(greedy_keys, "GREEDY_SHARE", share if scarce else 0.99 * share)
+    auto = fit_recon(base, layout, DOC, kv, None, qplan, SelectionConfig(fit_queries="recon", key_choice="auto"), spans)
+    same, other = (fit["greedy"], fit["top"]) if scarce else (fit["top"], fit["greedy"])
+    assert auto.nbytes == same.nbytes
+    assert all(torch.equal(a.W, b.W) and torch.equal(a.Z, b.Z) and torch.equal(a.beta, b.beta)
+               for a, b in zip(auto.module.layers, same.module.layers))
+    assert any(not torch.equal(a.W, b.W) for a, b in zip(auto.module.layers, other.module.layers))
+
+
+def test_auto_key_choice_counts_the_share_of_every_layer_and_head():
+    from nectar.states.greedy_keys import GREEDY_SHARE, chooses_greedy
+
+    n = 1000
+    at = int(GREEDY_SHARE * n * 4)  # four (layer, head) lists: exactly the share
+    kept = [[torch.arange(at // 4)] * 2] * 2
+    assert chooses_greedy("auto", kept, n) and chooses_greedy("greedy", kept, n) and not chooses_greedy("top", kept, n)
+    more = [[torch.arange(at // 4 + 1)] * 2] * 2
+    assert not chooses_greedy("auto", more, n) and chooses_greedy("greedy", more, n)

@@ -99,8 +99,10 @@ def test_the_first_state_and_its_compare_system_score_in_the_same_window():
     assert first.score_window == FIRST_SCORE_WINDOW
     system = ReconFit.from_select(SelectionConfig()).with_options(**SYSTEMS["recon_first@int4"].options)
     assert system.select == first
+    top = ReconFit.from_select(SelectionConfig()).with_options(**SYSTEMS["recon_first_top@int4"].options)
+    assert top.select == first.model_copy(update={"key_choice": "top"})
     whole = ReconFit.from_select(SelectionConfig()).with_options(**SYSTEMS["recon_first_allscores@int4"].options)
-    assert whole.select == first.model_copy(update={"score_window": None})
+    assert whole.select == top.select.model_copy(update={"score_window": None})
 
 
 def test_a_span_that_cannot_be_placed_makes_its_batch_score_every_key(tiny, monkeypatch):
