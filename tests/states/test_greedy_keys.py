@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from nectar.schemas.config import SelectionConfig
-from nectar.states.greedy_keys import choose_keys
+from nectar.states.greedy_keys import GREEDY_SHARE, choose_keys, chooses_greedy
 
 
 def _duplicated(seed: int = 0, N: int = 400, d: int = 8):
@@ -60,3 +60,12 @@ def test_a_head_over_the_cap_keeps_its_top_keys_and_one_under_it_is_rechosen(mon
     out = greedy.greedy_kept(kept, scores, queries, SimpleNamespace(keys=keys), 0.35, torch.zeros(n, dtype=torch.bool))
     assert torch.equal(out[0][1], kept[0][1])  # over the cap: its own keys
     assert out[0][0].numel() == 20 and not torch.equal(out[0][0], kept[0][0])
+
+
+def test_auto_key_choice_counts_the_share_of_every_layer_and_head():
+    n = 1000
+    at = int(GREEDY_SHARE * n * 4)  # four (layer, head) lists: exactly the share
+    kept = [[torch.arange(at // 4)] * 2] * 2
+    assert chooses_greedy("auto", kept, n) and chooses_greedy("greedy", kept, n) and not chooses_greedy("top", kept, n)
+    more = [[torch.arange(at // 4 + 1)] * 2] * 2
+    assert not chooses_greedy("auto", more, n) and chooses_greedy("greedy", more, n)

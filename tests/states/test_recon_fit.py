@@ -378,13 +378,3 @@ def test_auto_key_choice_is_greedy_where_keys_are_scarce_and_top_elsewhere(tiny,
                for a, b in zip(auto.module.layers, same.module.layers))
     assert any(not torch.equal(a.W, b.W) for a, b in zip(auto.module.layers, other.module.layers))
 
-
-def test_auto_key_choice_counts_the_share_of_every_layer_and_head():
-    from nectar.states.greedy_keys import GREEDY_SHARE, chooses_greedy
-
-    n = 1000
-    at = int(GREEDY_SHARE * n * 4)  # four (layer, head) lists: exactly the share
-    kept = [[torch.arange(at // 4)] * 2] * 2
-    assert chooses_greedy("auto", kept, n) and chooses_greedy("greedy", kept, n) and not chooses_greedy("top", kept, n)
-    more = [[torch.arange(at // 4 + 1)] * 2] * 2
-    assert not chooses_greedy("auto", more, n) and chooses_greedy("greedy", more, n)
