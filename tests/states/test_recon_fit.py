@@ -377,4 +377,3 @@ def test_auto_key_choice_is_greedy_where_keys_are_scarce_and_top_elsewhere(tiny,
     assert all(torch.equal(a.W, b.W) and torch.equal(a.Z, b.Z) and torch.equal(a.beta, b.beta)
                for a, b in zip(auto.module.layers, same.module.layers))
     assert any(not torch.equal(a.W, b.W) for a, b in zip(auto.module.layers, other.module.layers))
-
