@@ -236,6 +236,13 @@ register(System("recon_first_greedy@int4", "method", "recon_first@int4 with each
                 method="recon_fit", bits=4, options={**FIRST_TOP, "key_choice": "greedy"}, default=False))
 
 
+# ... refined end to end: gradient steps on the next-token KL to the full-context model, teacher-forced on the
+# document's own reconstruction spans, the state read as stored (issue 38's lever, nectar/states/recon_refine.py)
+register(System("recon_first_refined@int4", "method", "recon_first@int4 refined by Adam steps on the KL to the "
+                "full-context model over the reconstruction spans, every stored key, value and β read on its grid "
+                "(straight-through); kept only where it lowers the spans' KL", method="recon_refine", bits=4,
+                options={**FIRST_TOP, "key_choice": FIRST_KEY_CHOICE}, default=False))
+
 # The bits allocated by rate and distortion (issue 38, nectar/states/recon_mixed.py): recon_first's keys and
 # queries, each (layer, KV head) stored at int2, int4 or int8 as distortion removed per byte decides (opt-in:
 # stored as one module per precision, so scored here but not yet servable from one file).

@@ -25,6 +25,7 @@ from ..modules.io import make_spec, save_module
 from ..schemas.config import FirstConfig, ModuleConfig, ReconConfig, ProbesConfig
 from ..queries.recon import make_recon
 from ..states import fit_recon
+from ..states.recon_refine import refine_fitted
 
 FIRST_OUTPUTS = ["module.safetensors", "module.json"]
 
@@ -54,6 +55,8 @@ def first_state(base: BaseLM, text: str, cfg: FirstConfig, train_module: ModuleC
     spans = [(s.instruction, s.response) for s in make_recon(text, recon, probes)]
     plan = first_plan(train_module, cfg, base, layout.n)
     fitted = fit_recon(base, layout, text, doc_kv, None, plan, cfg.select, spans, cfg.seed, timings=timings)
+    # first.refine: gradient steps end to end on the same spans (minutes; off unless set)
+    fitted = refine_fitted(base, layout, doc_kv, spans, fitted, cfg.refine, cfg.seed, timings)
     start = time.perf_counter()
     module = fitted.module.cpu().eval()
     spec = make_spec(module, fitted.plan, base.name, base.weights_hash, doc_sha256, base.num_q_heads,

@@ -18,6 +18,7 @@ from .kvpress_press import PREFIX as KVPRESS_PREFIX
 from .kvpress_press import KvpressPress
 from .recon_fit import ReconFit
 from .recon_mixed import ReconMixed
+from .recon_refine import ReconRefine
 from .selection import KeyScore
 from .truncate import Truncate
 
@@ -36,7 +37,7 @@ def unregister(name: str) -> None:
     METHODS.pop(name, None)
 
 
-for _m in (Truncate(), Evict(), AttentionMatching(), AttentionMatchingKV(), ReconFit(), ReconMixed()):
+for _m in (Truncate(), Evict(), AttentionMatching(), AttentionMatchingKV(), ReconFit(), ReconMixed(), ReconRefine()):
     register(_m)
 
 

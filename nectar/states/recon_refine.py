@@ -1,0 +1,208 @@
+"""recon_refine — recon_fit's state refined end to end: gradient steps on the KL between the full-context
+model and the model reading the state, teacher-forced on the document's own reconstruction spans, with
+the state read as stored (issue 38's lever "gradient refinement end to end by KL on the reconstruction").
+
+Why: recon_fit fits each (layer, KV head) alone, to the exact attention of the full model's queries. At
+a small budget every layer's error moves the next layer's queries, and nothing in a per-head fit sees
+the output distribution. The steps here see it: the loss is the next-token KL through the frozen model,
+on the same text the fit reconstructed (so the whole document holds the state, not a few questions).
+
+  1. fit       recon_fit's selection and closed-form fit (its settings: the fields it shares)
+  2. teacher   the reconstruction spans once through the full-context model: top-``topk`` log-probs of
+               every response token (the KL over top-K + tail, training/losses.py)
+  3. steps     Adam on every stored key, value and β, each read on its storage grid with a
+               straight-through gradient (modules/stored.py ``trained_as_stored``), batches of whole
+               spans; no weight decay (masked slots hold β = −inf)
+  4. keep      the steps' state only when its KL on the spans is below the fit's (else the fit's)
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..attention.exact import ExactDocState
+from ..attention.forward import query_logits
+from ..base_model import BaseLM
+from ..layout import PromptLayout
+from ..modules.builder import NectarModule
+from ..modules.provider import ModuleDocState
+from ..modules.stored import quantize_module_, trained_as_stored
+from ..schemas.config import RefineConfig, SelectionConfig
+from ..training.losses import kl_topk_tail_sum
+from .interface import FitInputs, FittedState
+from .recon_fit import ReconFit
+
+REFINE_FIELDS = tuple(RefineConfig.model_fields)  # the method's fields that are not recon_fit's
+REFINE_STEPS = 200  # the method's steps (measured: docs/quality.md, "Refined end to end on the reconstruction")
+
+
+@dataclass(frozen=True)
+class SpanBatch:
+    """Right-padded reconstruction pairs and the teacher's top-K at their response tokens."""
+
+    ids: torch.Tensor  # [b, m]
+    mask: torch.Tensor  # [b, m] 1 = real token
+    scored: torch.Tensor  # [b, m] bool: positions whose next token is a response token
+    topk_ids: torch.Tensor  # [b, m, K]
+    topk_logprobs: torch.Tensor  # [b, m, K]
+
+
+def span_batches(base: BaseLM, layout: PromptLayout, spans: list[tuple[str, str]], max_tokens: int) -> list[SpanBatch]:
+    """The spans as padded batches of at most ``max_tokens`` (count × longest), consecutive."""
+    pairs = [layout.pair(i, r) for i, r in spans]
+    out, cur = [], []
+    for p in pairs:
+        if cur and (len(cur) + 1) * max(len(p.ids), *(len(c.ids) for c in cur)) > max_tokens:
+            out.append(cur)
+            cur = []
+        cur.append(p)
+    if cur:
+        out.append(cur)
+    batches = []
+    for group in out:
+        m = max(len(p.ids) for p in group)
+        ids = torch.zeros(len(group), m, dtype=torch.long)
+        mask = torch.zeros(len(group), m, dtype=torch.long)
+        scored = torch.zeros(len(group), m, dtype=torch.bool)
+        for i, p in enumerate(group):
+            ids[i, :len(p.ids)] = torch.tensor(p.ids)
+            mask[i, :len(p.ids)] = 1
+            scored[i, p.response_start - 1:len(p.ids) - 1] = True  # logits at t predict token t + 1
+        batches.append(SpanBatch(ids, mask, scored, torch.empty(0, dtype=torch.long), torch.empty(0)))
+    return batches
+
+
+@torch.no_grad()
+def with_teacher(base: BaseLM, doc_kv, n: int, batches: list[SpanBatch], topk: int) -> list[SpanBatch]:
+    """Each batch with the full-context model's top-``topk`` log-probs at every position."""
+    out = []
+    for b in batches:
+        logits = query_logits(base, ExactDocState(doc_kv), b.ids.to(base.device), n, b.mask.to(base.device))
+        top = torch.log_softmax(logits.float(), -1).topk(topk, dim=-1)  # [b, m, K]
+        out.append(dataclasses.replace(b, topk_ids=top.indices.cpu(), topk_logprobs=top.values.cpu()))
+    return out
+
+
+def span_kl(base: BaseLM, module: NectarModule, n: int, batches: list[SpanBatch]) -> float:
+    """Mean KL (top-K + tail) a scored token of the spans, the module as the document."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for b in batches:
+            total += float(_kl_sum(base, module, n, b))
+            count += int(b.scored.sum())
+    return total / max(count, 1)
+
+
+def _kl_sum(base: BaseLM, module: NectarModule, n: int, b: SpanBatch) -> torch.Tensor:
+    dev = base.device
+    logits = query_logits(base, ModuleDocState(module), b.ids.to(dev), n, b.mask.to(dev))  # [b, m, V]
+    return kl_topk_tail_sum(logits, b.topk_ids.to(dev), b.topk_logprobs.to(dev), b.scored.to(dev))
+
+
+def refine(base: BaseLM, module: NectarModule, n: int, batches: list[SpanBatch], steps: int, lr: float,
+           seed: int = 0, log=None) -> tuple[NectarModule, dict[str, float]]:
+    """``steps`` Adam steps on the module as stored (one batch a step, batches in a seeded order that
+    cycles); returns the module (rounded onto its grid) and the spans' KL before and after."""
+    before = span_kl(base, module, n, batches)
+    start = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    for p in base.model.parameters():
+        p.requires_grad_(False)
+    rng = np.random.default_rng(seed)
+    order: list[int] = []
+    module.train()
+    with trained_as_stored(module):
+        params = [p for p in module.parameters() if p.requires_grad]
+        opt = torch.optim.Adam(params, lr=lr)
+        for step in range(steps):
+            if not order:
+                order = list(rng.permutation(len(batches)))
+            b = batches[order.pop()]
+            opt.zero_grad(set_to_none=True)
+            loss = _kl_sum(base, module, n, b) / max(int(b.scored.sum()), 1)
+            loss.backward()
+            for p in params:  # masked slots (β = −inf) give NaN gradients through −inf − −inf: none move
+                if p.grad is not None:
+                    p.grad.nan_to_num_(0.0, 0.0, 0.0)
+            opt.step()
+            if log is not None:
+                log(step, loss.item())
+    module.eval()
+    quantize_module_(module)
+    after = span_kl(base, module, n, batches)
+    if not after < before:  # the steps did not help on the spans themselves: keep the fit
+        module.load_state_dict(start)
+    return module, {"span_kl_fit": before, "span_kl_refined": after}
+
+
+def refine_fitted(base: BaseLM, layout: PromptLayout, doc_kv, spans: list[tuple[str, str]], fitted: FittedState,
+                  cfg: RefineConfig, seed: int = 0, timings: dict[str, float] | None = None) -> FittedState:
+    """``fitted`` after ``cfg.steps`` steps (the first stage's ``first.refine`` and the method's fit): the
+    teacher's pass, the steps (a progress line every ~1/8 of them) and the span KLs in ``timings``."""
+    if cfg.steps <= 0:
+        return fitted
+    timings = {} if timings is None else timings
+    started = time.perf_counter()
+    batches = with_teacher(base, doc_kv, layout.n, span_batches(base, layout, spans, cfg.batch_tokens), cfg.topk)
+    every = max(1, cfg.steps // 8)
+
+    def log(step: int, loss: float) -> None:  # long work shows progress: ~8 lines a refinement
+        if step % every == 0 or step == cfg.steps - 1:
+            print(f"refine: step {step + 1}/{cfg.steps}, span KL {loss:.4f} ({time.perf_counter() - started:.0f} s)",
+                  flush=True)
+
+    module, facts = refine(base, fitted.module, layout.n, batches, cfg.steps, cfg.lr, seed, log)
+    timings["refine_s"] = timings.get("refine_s", 0.0) + time.perf_counter() - started
+    timings.update(facts)
+    print(f"refine: span KL {facts['span_kl_fit']:.4f} -> {facts['span_kl_refined']:.4f} ({cfg.steps} steps, "
+          f"{timings['refine_s']:.0f} s{'' if facts['span_kl_refined'] < facts['span_kl_fit'] else '; kept the fit'})",
+          flush=True)
+    return FittedState(fitted.name, module, fitted.plan, scores=fitted.scores)
+
+
+@dataclass(frozen=True)
+class ReconRefine(ReconFit):
+    """recon_fit (its fields) and then ``steps`` steps of end-to-end KL on the reconstruction spans (the fields of
+    ``RefineConfig``; 200 steps here, where the first stage's ``first.refine.steps`` is 0 unless set)."""
+
+    steps: int = REFINE_STEPS  # Adam steps, one batch of spans each
+    lr: float = RefineConfig().lr  # Adam's rate on the float behind each stored code
+    batch_tokens: int = RefineConfig().batch_tokens  # padded tokens a step (count × longest)
+    topk: int = RefineConfig().topk  # the teacher's top-K of the KL (+ the tail bucket)
+
+    name = "recon_refine"
+    READS = frozenset({"doc_kv", "document", "train_queries"})
+
+    @property
+    def select(self) -> SelectionConfig:
+        fields = {k: v for k, v in dataclasses.asdict(self).items() if k not in REFINE_FIELDS}
+        return SelectionConfig(fit=fields.pop("fit_pairs"), **fields)
+
+    @property
+    def refine_config(self) -> RefineConfig:
+        return RefineConfig(**{k: getattr(self, k) for k in REFINE_FIELDS})
+
+    @classmethod
+    def from_select(cls, select: SelectionConfig, refine: RefineConfig | None = None) -> "ReconRefine":
+        fields = select.model_dump()
+        return cls(fit_pairs=fields.pop("fit"), **fields, **(refine or RefineConfig(steps=REFINE_STEPS)).model_dump())
+
+    def configured(self, module) -> "ReconRefine":
+        return self.from_select(module.select, self.refine_config)
+
+    def with_options(self, **options) -> "ReconRefine":
+        """Settings changed by their config names: ``select``'s and ``RefineConfig``'s."""
+        refine = {k: options.pop(k) for k in list(options) if k in REFINE_FIELDS}
+        select = self.select.model_copy(update=options) if options else self.select
+        return self.from_select(select, self.refine_config.model_copy(update=refine))
+
+    def fit(self, plan, inputs: FitInputs) -> FittedState:
+        if not self.fit_pairs:
+            raise ValueError("recon_refine refines the fitted state: set fit=true")
+        fitted = super().fit(plan, inputs)
+        refined = refine_fitted(inputs.base, inputs.layout, inputs.doc_kv, list(inputs.spans), fitted,
+                                self.refine_config, inputs.seed)
+        return dataclasses.replace(refined, name=self.name)

@@ -1,0 +1,124 @@
+"""recon_refine on the tiny random model: the steps see the state as stored, lower the spans' KL, keep the
+bytes and the masked slots, and fall back to the fit when they do not help."""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "training"))
+from targets_fixture import DOC, make_targets  # noqa: E402
+
+from nectar.modules import plan_module  # noqa: E402
+from nectar.modules.stored import quantize_module_, stored_nbytes  # noqa: E402
+from nectar.queries.recon import make_recon  # noqa: E402
+from nectar.schemas.config import ProbesConfig, ReconConfig  # noqa: E402
+from nectar.states import get_method  # noqa: E402
+from nectar.states.interface import FitInputs  # noqa: E402
+from nectar.states.recon_refine import ReconRefine, refine, span_batches, span_kl, with_teacher  # noqa: E402
+
+RECON = ReconConfig(span_words=12, withheld_fraction=0.0)
+PROBES = ProbesConfig(block_units=1)
+FIRST = {"fit_queries": "recon", "score_queries": "recon"}
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama, tmp_path_factory):
+    out = tmp_path_factory.mktemp("targets")
+    layout, kv, _ = make_targets(tiny_llama, DOC, out)
+    spans = tuple((s.instruction, s.response) for s in make_recon(DOC, RECON, PROBES))
+    return tiny_llama, layout, kv, spans
+
+
+def _fit(tiny, steps, rho=0.05, lr=3e-2):
+    base, layout, kv, spans = tiny
+    plan = plan_module("quadrature", base.num_layers, base.num_kv_heads, base.head_dim, layout.n, base.scaling, rho)
+    method = get_method("recon_refine").with_options(**FIRST, steps=steps, lr=lr, batch_tokens=512)
+    inputs = FitInputs(kv, None, base=base, layout=layout, document=DOC, spans=spans, bits=4)
+    return method.fit(plan, inputs)
+
+
+def test_settings_split_between_the_fit_and_the_steps():
+    m = get_method("recon_refine").with_options(steps=7, fit_keys=64)
+    assert isinstance(m, ReconRefine) and (m.steps, m.fit_keys) == (7, 64)
+    assert "steps" not in m.select.model_dump() and m.select.fit_keys == 64
+    with pytest.raises(ValueError, match="set fit=true"):
+        get_method("recon_refine").with_options(fit=False).fit(None, None)
+
+
+def _damaged(module, factor=30.0):
+    """The fitted state with its values scaled (kept on the grid): the tiny random model barely reads its
+    document, so the fit is already at the full model's KL (~1e-9); a damaged state gives the steps room."""
+    with torch.no_grad():
+        for layer in module.layers:
+            layer.Z.mul_(factor)
+    return quantize_module_(module)
+
+
+def test_steps_lower_the_spans_kl_and_keep_the_stored_state(tiny):
+    base, layout, kv, spans = tiny
+    fitted = _fit(tiny, steps=0)
+    masked = [torch.isinf(layer.beta).clone() for layer in fitted.module.layers]
+    module = _damaged(fitted.module)
+    batches = with_teacher(base, kv, layout.n, span_batches(base, layout, list(spans), 512), 16)
+    start = {k: v.clone() for k, v in module.state_dict().items()}
+    module, facts = refine(base, module, layout.n, batches, steps=10, lr=5e-2)
+    assert facts["span_kl_refined"] < 0.8 * facts["span_kl_fit"], facts  # toward the full model
+    assert facts["span_kl_refined"] == pytest.approx(span_kl(base, module, layout.n, batches))
+    assert any(not torch.equal(start[k], v) for k, v in module.state_dict().items())
+    for m, layer in zip(masked, module.layers):
+        assert torch.equal(m, torch.isinf(layer.beta))  # masked slots stay masked (no NaN, no new pairs)
+        assert not any(torch.isnan(x).any() for x in (layer.beta, layer.W, layer.Z))
+    # what the module holds is on its storage grid: rounding it again changes nothing
+    again = {k: v.clone() for k, v in module.state_dict().items()}
+    quantize_module_(module)
+    assert all(torch.equal(again[k], v) for k, v in module.state_dict().items())
+    assert stored_nbytes(module, fitted.plan) == fitted.nbytes  # the same pairs, the same bytes
+
+
+def test_the_method_fits_then_steps(tiny):
+    """recon_refine through the registry: recon_fit's state (the same bytes) after its steps."""
+    fitted, refined = _fit(tiny, steps=0), _fit(tiny, steps=2)
+    assert refined.name == "recon_refine" and refined.nbytes == fitted.nbytes
+    assert refined.plan.quad_head_pairs == fitted.plan.quad_head_pairs
+
+
+def test_steps_that_raise_the_spans_kl_fall_back_to_the_fit(tiny):
+    """Failure injection: a rate far too large makes the steps worse on the spans; the fit's state stays."""
+    base, layout, kv, spans = tiny
+    fitted = _fit(tiny, steps=0)
+    batches = with_teacher(base, kv, layout.n, span_batches(base, layout, list(spans), 512), 16)
+    start = {k: v.clone() for k, v in fitted.module.state_dict().items()}
+    module, facts = refine(base, fitted.module, layout.n, batches, steps=3, lr=1e3)
+    assert facts["span_kl_refined"] > facts["span_kl_fit"]
+    assert all(torch.equal(start[k], v) for k, v in module.state_dict().items())
+
+
+def test_the_compare_system_is_the_first_states_selection_refined():
+    """``recon_first_refined@int4`` = the first stage's selection (``recon_first@int4``) and then the method's
+    steps; the first stage's ``first.refine`` is off by default and, off, not part of its cache key (runs made
+    before keep their first state)."""
+    from nectar.comparison.systems import SYSTEMS
+    from nectar.schemas.config import FirstConfig, RefineConfig, SelectionConfig
+    from nectar.states.recon_refine import REFINE_STEPS
+
+    method = ReconRefine.from_select(SelectionConfig()).with_options(**SYSTEMS["recon_first_refined@int4"].options)
+    assert method.select == FirstConfig().select and method.refine_config == RefineConfig(steps=REFINE_STEPS)
+    assert FirstConfig().refine.steps == 0 and "refine" not in FirstConfig().cache_dict()
+    assert FirstConfig(refine={"steps": 5}).cache_dict()["refine"]["steps"] == 5
+
+
+def test_the_first_stage_refines_when_asked(tiny, tmp_path):
+    from nectar.modules.io import load_module
+    from nectar.schemas.config import FirstConfig, ModuleConfig
+    from nectar.stages.first import first_state
+
+    base, layout, kv, spans = tiny
+    module_cfg = ModuleConfig(arch="quadrature", rho=0.05, bias=True, bits=4)
+    plain = first_state(base, DOC, FirstConfig(), module_cfg, RECON, PROBES, "0" * 64, str(tmp_path / "a"))
+    assert "refine_s" not in plain
+    counts = first_state(base, DOC, FirstConfig(refine={"steps": 2, "batch_tokens": 512}), module_cfg, RECON, PROBES,
+                         "0" * 64, str(tmp_path / "b"))
+    assert counts["refine_s"] > 0 and counts["span_kl_refined"] >= 0 and counts["module_bytes"] == plain["module_bytes"]
+    module, spec = load_module(str(tmp_path / "b"), base, "0" * 64)
+    assert spec.module_bytes == plain["module_bytes"]
