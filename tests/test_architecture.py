@@ -29,7 +29,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
             {
                 "attention", "states", "documents", "evaluation", "integrity",
                 "layout", "llm", "vllm", "ports", "venvs", "base_model", "modules", "prompts", "shutdown", "storage", "tables",
-                "targets", "training", "quantization", "kvpress", "cache_call", "queries", "partial",
+                "targets", "training", "quantization", "kl", "kvpress", "cache_call", "queries", "partial",
             }
         ),
     ),

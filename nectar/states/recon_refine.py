@@ -9,7 +9,7 @@ on the same text the fit reconstructed (so the whole document holds the state, n
 
   1. fit       recon_fit's selection and closed-form fit (its settings: the fields it shares)
   2. teacher   the reconstruction spans once through the full-context model: top-``topk`` log-probs of
-               every response token (the KL over top-K + tail, training/losses.py)
+               every response token (the KL over top-K + tail, nectar/kl.py)
   3. steps     Adam on every stored key, value and β, each read on its storage grid with a
                straight-through gradient (modules/stored.py ``trained_as_stored``), batches of whole
                spans; no weight decay (masked slots hold β = −inf)
@@ -32,7 +32,7 @@ from ..modules.builder import NectarModule
 from ..modules.provider import ModuleDocState
 from ..modules.stored import quantize_module_, trained_as_stored
 from ..schemas.config import RefineConfig, SelectionConfig
-from ..training.losses import kl_topk_tail_sum
+from ..kl import kl_topk_tail_sum
 from .interface import FitInputs, FittedState
 from .recon_fit import ReconFit
 

@@ -8,12 +8,7 @@ Regression (per token, as eq. regression-loss): Σ_{ℓ, h'} ‖(A_θ(q) − �
 normalised units, so layers and heads of very different scales weigh alike (identity when
 target normalisation is off).
 
-KL over the teacher's top-K plus a tail bucket: with p_k = teacher probs of its top-K ids and
-p_tail = 1 − Σ p_k (likewise q_k, q_tail for the student at the same ids),
-KL = Σ_k p_k log(p_k / q_k) + p_tail log(p_tail / q_tail). This is the exact KL between the two
-distributions coarsened to K+1 outcomes — a lower bound of the full-vocabulary KL (data-processing
-inequality) that, unlike renormalising both to the top-K, still penalises student mass that falls
-outside the teacher's top-K.
+KL over the teacher's top-K plus a tail bucket: nectar/kl.py (shared with states/recon_refine.py).
 """
 from __future__ import annotations
 
@@ -22,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..modules.builder import NectarModule
+from ..kl import kl_topk_tail_sum  # noqa: F401  (the distillation loss: one implementation, nectar/kl.py)
 from ..modules.provider import group_queries
 
 _EPS = 1e-12
@@ -58,23 +54,6 @@ def regression_sums(module: NectarModule, q: torch.Tensor, alpha: torch.Tensor,
             rte_A = rte_A + torch.log((sq + _EPS) / (base + _EPS)).sum()
             rte_a = rte_a + torch.log((err_a.pow(2) + _EPS) / (a_true.pow(2) + _EPS)).sum()
     return RegressionSums(tot_a, tot_A, rte_a, rte_A, N * L * hq)
-
-
-def kl_topk_tail_sum(logits: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor,
-                     mask: torch.Tensor) -> torch.Tensor:
-    """Σ over masked positions of KL(teacher top-K + tail ‖ student top-K + tail).
-
-    logits [b, m, V] (student), topk_ids / topk_logprobs [b, m, K] (teacher), mask [b, m] bool.
-    """
-    logq = torch.log_softmax(logits.float(), dim=-1).gather(-1, topk_ids)  # [b, m, K]
-    logp = topk_logprobs.float()  # [b, m, K]
-    p = logp.exp()
-    head = (p * (logp - logq)).sum(-1)  # [b, m]
-    p_tail = (1.0 - p.sum(-1)).clamp_min(0.0)  # [b, m]
-    q_tail = -torch.expm1(torch.logsumexp(logq, dim=-1).clamp_max(-_EPS))  # 1 − Σ q_k, kept > 0
-    tail = torch.xlogy(p_tail, p_tail) - p_tail * torch.log(q_tail.clamp_min(_EPS))
-    kl = head + tail  # [b, m]
-    return torch.where(mask, kl, torch.zeros_like(kl)).sum()
 
 
 def correct_sum(logits: torch.Tensor, next_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
