@@ -51,7 +51,7 @@ class SpanBatch:
     topk_logprobs: torch.Tensor  # [b, m, K]
 
 
-def span_batches(base: BaseLM, layout: PromptLayout, spans: list[tuple[str, str]], max_tokens: int) -> list[SpanBatch]:
+def span_batches(layout: PromptLayout, spans: list[tuple[str, str]], max_tokens: int) -> list[SpanBatch]:
     """The spans as padded batches of at most ``max_tokens`` (count × longest), consecutive."""
     pairs = [layout.pair(i, r) for i, r in spans]
     out, cur = [], []
@@ -109,7 +109,7 @@ def refine(base: BaseLM, module: NectarModule, n: int, batches: list[SpanBatch],
     cycles); returns the module (rounded onto its grid) and the spans' KL before and after."""
     before = span_kl(base, module, n, batches)
     start = {k: v.detach().clone() for k, v in module.state_dict().items()}
-    for p in base.model.parameters():
+    for p in base.model.parameters():  # the base model is frozen: only the state moves
         p.requires_grad_(False)
     rng = np.random.default_rng(seed)
     order: list[int] = []
@@ -146,7 +146,7 @@ def refine_fitted(base: BaseLM, layout: PromptLayout, doc_kv, spans: list[tuple[
         return fitted
     timings = {} if timings is None else timings
     started = time.perf_counter()
-    batches = with_teacher(base, doc_kv, layout.n, span_batches(base, layout, spans, cfg.batch_tokens), cfg.topk)
+    batches = with_teacher(base, doc_kv, layout.n, span_batches(layout, spans, cfg.batch_tokens), cfg.topk)
     every = max(1, cfg.steps // 8)
 
     def log(step: int, loss: float) -> None:  # long work shows progress: ~8 lines a refinement

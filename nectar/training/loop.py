@@ -30,7 +30,8 @@ from .checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_sta
 from ..targets.reader import PairBatch, TargetsData, TokenBatch
 from .data import shard_for_rank, stream
 from .distributed import DistInfo, all_ranks_agree, all_reduce_sum, barrier, dist_info, wrap
-from .losses import correct_sum, kl_topk_tail_sum, regression_sums
+from ..kl import kl_topk_tail_sum
+from .losses import correct_sum, regression_sums
 from .schedule import LRFactor, Schedule, derive_schedule
 
 MICRO_BATCH_TOKENS = 2048  # padded query tokens per forward through the base model (bounds the [m, V] logits)

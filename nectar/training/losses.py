@@ -17,7 +17,6 @@ from dataclasses import dataclass
 import torch
 
 from ..modules.builder import NectarModule
-from ..kl import kl_topk_tail_sum  # noqa: F401  (the distillation loss: one implementation, nectar/kl.py)
 from ..modules.provider import group_queries
 
 _EPS = 1e-12

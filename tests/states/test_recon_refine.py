@@ -60,7 +60,7 @@ def test_steps_lower_the_spans_kl_and_keep_the_stored_state(tiny):
     fitted = _fit(tiny, steps=0)
     masked = [torch.isinf(layer.beta).clone() for layer in fitted.module.layers]
     module = _damaged(fitted.module)
-    batches = with_teacher(base, kv, layout.n, span_batches(base, layout, list(spans), 512), 16)
+    batches = with_teacher(base, kv, layout.n, span_batches(layout, list(spans), 512), 16)
     start = {k: v.clone() for k, v in module.state_dict().items()}
     module, facts = refine(base, module, layout.n, batches, steps=10, lr=5e-2)
     assert facts["span_kl_refined"] < 0.8 * facts["span_kl_fit"], facts  # toward the full model
@@ -87,7 +87,7 @@ def test_steps_that_raise_the_spans_kl_fall_back_to_the_fit(tiny):
     """Failure injection: a rate far too large makes the steps worse on the spans; the fit's state stays."""
     base, layout, kv, spans = tiny
     fitted = _fit(tiny, steps=0)
-    batches = with_teacher(base, kv, layout.n, span_batches(base, layout, list(spans), 512), 16)
+    batches = with_teacher(base, kv, layout.n, span_batches(layout, list(spans), 512), 16)
     start = {k: v.clone() for k, v in fitted.module.state_dict().items()}
     module, facts = refine(base, fitted.module, layout.n, batches, steps=3, lr=1e3)
     assert facts["span_kl_refined"] > facts["span_kl_fit"]

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from nectar.training.losses import correct_sum, kl_topk_tail_sum, regression_sums
+from nectar.kl import kl_topk_tail_sum
+from nectar.training.losses import correct_sum, regression_sums
 
 
 def _coarse_kl(teacher_logits, student_logits, k):
