@@ -154,7 +154,7 @@ def refine_fitted(base: BaseLM, layout: PromptLayout, doc_kv, spans: list[tuple[
             print(f"refine: step {step + 1}/{cfg.steps}, span KL {loss:.4f} ({time.perf_counter() - started:.0f} s)",
                   flush=True)
 
-    module, facts = refine(base, fitted.module, layout.n, batches, cfg.steps, cfg.lr, seed, log)
+    module, facts = refine(base, fitted.module.to(base.device), layout.n, batches, cfg.steps, cfg.lr, seed, log)
     timings["refine_s"] = timings.get("refine_s", 0.0) + time.perf_counter() - started
     timings.update(facts)
     print(f"refine: span KL {facts['span_kl_fit']:.4f} -> {facts['span_kl_refined']:.4f} ({cfg.steps} steps, "
