@@ -32,6 +32,7 @@ from ..modules.builder import NectarModule
 from ..modules.provider import ModuleDocState
 from ..modules.stored import quantize_module_, trained_as_stored
 from ..schemas.config import RefineConfig, SelectionConfig
+from ..targets.capture import topk_logprobs
 from ..kl import kl_topk_tail_sum
 from .interface import FitInputs, FittedState
 from .recon_fit import ReconFit
@@ -82,8 +83,8 @@ def with_teacher(base: BaseLM, doc_kv, n: int, batches: list[SpanBatch], topk: i
     out = []
     for b in batches:
         logits = query_logits(base, ExactDocState(doc_kv), b.ids.to(base.device), n, b.mask.to(base.device))
-        top = torch.log_softmax(logits.float(), -1).topk(topk, dim=-1)  # [b, m, K]
-        out.append(dataclasses.replace(b, topk_ids=top.indices.cpu(), topk_logprobs=top.values.cpu()))
+        ids, logprobs = topk_logprobs(logits, topk)  # [b, m, K] each: the targets stage's teacher top-K
+        out.append(dataclasses.replace(b, topk_ids=ids.cpu(), topk_logprobs=logprobs.cpu()))
     return out
 
 
@@ -174,7 +175,6 @@ class ReconRefine(ReconFit):
     topk: int = RefineConfig().topk  # the teacher's top-K of the KL (+ the tail bucket)
 
     name = "recon_refine"
-    READS = frozenset({"doc_kv", "document", "train_queries"})
 
     @property
     def select(self) -> SelectionConfig:

@@ -107,7 +107,7 @@ def _head_topk(base: BaseLM, hidden: torch.Tensor, top_k: int, keep_logits: bool
     ids, lps, kept = [], [], []
     for start in range(0, hidden.shape[0], HEAD_ROWS):
         logits = head(hidden[start:start + HEAD_ROWS])  # [rows, V]
-        i, lp = _topk_logprobs(logits, top_k)
+        i, lp = topk_logprobs(logits, top_k)
         ids.append(i)
         lps.append(lp)
         if keep_logits:
@@ -118,7 +118,7 @@ def _head_topk(base: BaseLM, hidden: torch.Tensor, top_k: int, keep_logits: bool
     return torch.cat(ids), torch.cat(lps), torch.cat(kept) if keep_logits else None
 
 
-def _topk_logprobs(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_logprobs(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-K ids and log-probs over the last axis: top-K of the logits minus their log-sum-exp,
     without writing a second vocabulary-sized tensor."""
     top = logits.topk(top_k, dim=-1)
