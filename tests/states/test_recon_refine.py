@@ -69,10 +69,12 @@ def test_steps_lower_the_spans_kl_and_keep_the_stored_state(tiny):
     for m, layer in zip(masked, module.layers):
         assert torch.equal(m, torch.isinf(layer.beta))  # masked slots stay masked (no NaN, no new pairs)
         assert not any(torch.isnan(x).any() for x in (layer.beta, layer.W, layer.Z))
-    # what the module holds is on its storage grid: rounding it again changes nothing
+    # what the module holds is on its storage grid: rounding it again moves nothing by a step (a code flip
+    # moves a value by ~1/15 of its row's range; the tolerance only absorbs a scale recomputed an ulp apart)
     again = {k: v.clone() for k, v in module.state_dict().items()}
     quantize_module_(module)
-    assert all(torch.equal(again[k], v) for k, v in module.state_dict().items())
+    for k, v in module.state_dict().items():
+        torch.testing.assert_close(v, again[k], rtol=1e-5, atol=1e-3)
     assert stored_nbytes(module, fitted.plan) == fitted.nbytes  # the same pairs, the same bytes
 
 
