@@ -33,6 +33,7 @@ from ..modules.provider import ModuleDocState
 from ..modules.stored import quantize_module_, trained_as_stored
 from ..schemas.config import RefineConfig, SelectionConfig
 from ..targets.capture import topk_logprobs
+from ..targets.reader import padded_groups
 from ..kl import kl_topk_tail_sum
 from .interface import FitInputs, FittedState
 from .recon_fit import ReconFit
@@ -55,16 +56,8 @@ class SpanBatch:
 def span_batches(layout: PromptLayout, spans: list[tuple[str, str]], max_tokens: int) -> list[SpanBatch]:
     """The spans as padded batches of at most ``max_tokens`` (count × longest), consecutive."""
     pairs = [layout.pair(i, r) for i, r in spans]
-    out, cur = [], []
-    for p in pairs:
-        if cur and (len(cur) + 1) * max(len(p.ids), *(len(c.ids) for c in cur)) > max_tokens:
-            out.append(cur)
-            cur = []
-        cur.append(p)
-    if cur:
-        out.append(cur)
     batches = []
-    for group in out:
+    for group in ([pairs[i] for i in g] for g in padded_groups([len(p.ids) for p in pairs], max_tokens)):
         m = max(len(p.ids) for p in group)
         ids = torch.zeros(len(group), m, dtype=torch.long)
         mask = torch.zeros(len(group), m, dtype=torch.long)

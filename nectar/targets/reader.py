@@ -30,6 +30,25 @@ TOKEN_ARRAYS = ("token_ids", "response_mask", "topk_ids", "topk_logprobs")
 ValueSource = Callable[[np.ndarray], "TokenBatch"]
 
 
+def padded_groups(lengths, max_tokens: int) -> list[list[int]]:
+    """Indices of consecutive items grouped so that each group's padded size (count × its longest) stays
+    within ``max_tokens`` (at least one item a group): the training loop's micro-batches of pairs and
+    recon_refine's batches of spans."""
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    longest = 0
+    for i, k in enumerate(lengths):
+        k = int(k)
+        if cur and (len(cur) + 1) * max(longest, k) > max_tokens:
+            groups.append(cur)
+            cur, longest = [], 0
+        cur.append(i)
+        longest = max(longest, k)
+    if cur:
+        groups.append(cur)
+    return groups
+
+
 @dataclass
 class TokenBatch:
     q: torch.Tensor  # [N, L, Hq, d]

@@ -27,7 +27,7 @@ from ..modules.provider import ModuleDocState
 from ..schemas.artifacts import TrainLogRow
 from ..schemas.config import TrainConfig
 from .checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from ..targets.reader import PairBatch, TargetsData, TokenBatch
+from ..targets.reader import PairBatch, TargetsData, TokenBatch, padded_groups
 from .data import shard_for_rank, stream
 from .distributed import DistInfo, all_ranks_agree, all_reduce_sum, barrier, dist_info, wrap
 from ..kl import kl_topk_tail_sum
@@ -114,17 +114,8 @@ class Objective(nn.Module):
 
 def micro_batches(data: TargetsData, pairs: np.ndarray, max_tokens: int) -> list[np.ndarray]:
     """Consecutive groups of pairs whose padded size (count × longest) stays within max_tokens."""
-    groups, cur, longest = [], [], 0
-    for p in pairs:
-        k = int(data.offsets[p + 1] - data.offsets[p])
-        if cur and (len(cur) + 1) * max(longest, k) > max_tokens:
-            groups.append(np.array(cur))
-            cur, longest = [], 0
-        cur.append(p)
-        longest = max(longest, k)
-    if cur:
-        groups.append(np.array(cur))
-    return groups
+    lengths = data.offsets[pairs + 1] - data.offsets[pairs]
+    return [pairs[g] for g in padded_groups(lengths, max_tokens)]
 
 
 class Trainer:
