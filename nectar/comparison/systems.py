@@ -243,6 +243,14 @@ register(System("recon_first_refined@int4", "method", "recon_first@int4 refined 
                 "(straight-through); kept only where it lowers the spans' KL", method="recon_refine", bits=4,
                 options={**FIRST_TOP, "key_choice": FIRST_KEY_CHOICE}, default=False))
 
+# ... with every evicted key merged into its most similar kept key (β and the value keep the merged keys' total
+# attention mass and mass-weighted value on the fit queries) instead of β and values fitted by least squares
+# (issue 38's lever, nectar/states/recon_merge.py)
+register(System("recon_first_merged@int4", "method", "recon_first@int4's keys with every evicted key merged into "
+                "its most similar kept key (β and value keep their total attention mass and mass-weighted value on "
+                "the reconstruction queries) instead of the least-squares fit", method="recon_merge", bits=4,
+                options={**FIRST_TOP, "key_choice": FIRST_KEY_CHOICE}, default=False))
+
 # The bits allocated by rate and distortion (issue 38, nectar/states/recon_mixed.py): recon_first's keys and
 # queries, each (layer, KV head) stored at int2, int4 or int8 as distortion removed per byte decides (opt-in:
 # stored as one module per precision, so scored here but not yet servable from one file).

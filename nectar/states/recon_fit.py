@@ -29,16 +29,25 @@ from .reconstruction import (ReconCapture, allocate, anchor_mask, build_selected
 from .train_queries import MAX_FIT_TOKENS, QueryTargets, training_queries
 
 
-def fit_recon(base: BaseLM, layout: PromptLayout, document: str, doc_kv, targets,
-              plan: ModulePlan, select: SelectionConfig, spans: list[tuple[str, str]],
-              seed: int = 0, timings: dict[str, float] | None = None) -> FittedState:
-    """recon_fit in the bytes of ``plan``, stored at ``plan.bits``: reconstruct the document's ``spans``
-    ((instruction, response), nectar/queries/recon.py) against its exact KV, keep the best keys (as
-    many as the bytes buy at that precision), fit β and values (reconstruction.py). ``targets``: the
-    targets (a URL or an open ``TargetsData``) whose train queries join the ranking
-    (``score_queries``) and the fit (``fit_queries``), or None. ``timings``: seconds of each part
-    added to it (recon_s, allocate_s and build_selected's fit_mass_s / fit_values_s), for the first
-    state's profile."""
+@dataclass(frozen=True)
+class Selection:
+    """What recon_fit keeps before it fits: the kept keys of each (layer, KV head), the plan holding them,
+    the fit queries (None without ``select.fit``) and the scores [L, Hkv, n] the allocation ranked."""
+
+    plan: ModulePlan
+    kept: list[list[torch.Tensor]]  # [L][Hkv] → indices into the document [c]
+    queries: QueryTargets | None
+    scores: torch.Tensor
+
+
+def select_recon(base: BaseLM, layout: PromptLayout, document: str, doc_kv, targets, plan: ModulePlan,
+                 select: SelectionConfig, spans: list[tuple[str, str]], seed: int = 0,
+                 timings: dict[str, float] | None = None) -> Selection:
+    """recon_fit's keys in the bytes of ``plan`` at ``plan.bits``, and its fit queries: reconstruct the
+    document's ``spans`` ((instruction, response), nectar/queries/recon.py) against its exact KV, keep the
+    best keys (as many as the bytes buy at that precision). ``targets``: the targets (a URL or an open
+    ``TargetsData``) whose train queries join the ranking (``score_queries``) and the fit
+    (``fit_queries``), or None. ``timings``: seconds of each part added to it (recon_s, allocate_s, …)."""
     timings = {} if timings is None else timings
     cap, train, scores = ranking(base, layout, doc_kv, targets, plan, select, spans, seed, timings)
     pair_bytes = ragged_pair_bytes(plan.head_dim, select.fit, plan.bits, plan.quant_group)
@@ -57,10 +66,20 @@ def fit_recon(base: BaseLM, layout: PromptLayout, document: str, doc_kv, targets
             start = time.perf_counter()
             kept = greedy_kept(kept, scores, queries, doc_kv, plan.scaling, kept_always)
             timings["key_choice_s"] = timings.get("key_choice_s", 0.0) + time.perf_counter() - start
-    qplan = selection_plan(plan, kept, select.fit)
-    module = build_selected(qplan, kept, doc_kv, queries, select.quant_aware, timings=timings, fit_keys=select.fit_keys,
-                            value_rounding=select.value_rounding)
-    return FittedState(ReconFit.name, module, qplan, scores=scores)  # scores [L, Hkv, n]: what the allocation ranked
+    return Selection(selection_plan(plan, kept, select.fit), kept, queries, scores)
+
+
+def fit_recon(base: BaseLM, layout: PromptLayout, document: str, doc_kv, targets,
+              plan: ModulePlan, select: SelectionConfig, spans: list[tuple[str, str]],
+              seed: int = 0, timings: dict[str, float] | None = None) -> FittedState:
+    """recon_fit in the bytes of ``plan``, stored at ``plan.bits``: ``select_recon``'s keys, then β and
+    values fitted (reconstruction.py ``build_selected``). ``timings``: seconds of each part added to it
+    (recon_s, allocate_s and build_selected's fit_mass_s / fit_values_s), for the first state's profile."""
+    timings = {} if timings is None else timings
+    s = select_recon(base, layout, document, doc_kv, targets, plan, select, spans, seed, timings)
+    module = build_selected(s.plan, s.kept, doc_kv, s.queries, select.quant_aware, timings=timings,
+                            fit_keys=select.fit_keys, value_rounding=select.value_rounding)
+    return FittedState(ReconFit.name, module, s.plan, scores=s.scores)  # scores [L, Hkv, n]: what the allocation ranked
 
 
 def ranking(base: BaseLM, layout: PromptLayout, doc_kv, targets, plan: ModulePlan, select: SelectionConfig,

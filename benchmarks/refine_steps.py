@@ -1,0 +1,52 @@
+"""How many refinement steps the end-to-end refinement needs: the panel's probes against the step count.
+
+    python benchmarks/refine_steps.py --out /work/exp/steps-naming --documents naming --budgets 0.005 \
+        --steps 25,50,100 --withheld 0
+
+Each step count N is the state ``recon_first_refined<N>@int4`` — ``recon_first_refined@int4`` (the
+``recon_refine`` method, nectar/states/recon_refine.py) with ``steps=N`` — registered here, opt-in, and
+scored by benchmarks/document_panel.py's machinery (its cells, its cache: a folder holding a panel of
+the same document reuses the first state, the 200-step state and the presses it already scored) against
+the first state (``recon_first@int4``, the Δ's reference) and the 200-step state. Adam runs at a constant
+rate in a seeded batch order, so an N-step state is the 200-step run's state after N steps: the curve is
+one refinement seen at several lengths. The time each state took is in its cell's comparison table.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def register_steps(steps: list[int]) -> list[str]:
+    """``recon_first_refined<N>@int4`` for each N: the registered refined state with N steps."""
+    from nectar.comparison.systems import SYSTEMS, System, register
+
+    base = SYSTEMS["recon_first_refined@int4"]
+    names = []
+    for n in steps:
+        name = f"recon_first_refined{n}@int4"
+        if name not in SYSTEMS:
+            register(System(name, "method", f"{base.description} ({n} steps)", method=base.method, bits=base.bits,
+                            options={**base.options, "steps": n}, default=False))
+        names.append(name)
+    return names
+
+
+def main(argv: list[str] | None = None):
+    import document_panel
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", default="25,50,100", help="step counts, each a state (200 is the method's own)")
+    args, rest = ap.parse_known_args(argv)
+    names = register_steps([int(s) for s in args.steps.split(",") if s])
+    states = ",".join(names + ["recon_first_refined@int4"])
+    return document_panel.main(rest + ["--states", states, "--references", "recon_first@int4",
+                                       "--reference", "recon_first@int4"])
+
+
+if __name__ == "__main__":
+    main()

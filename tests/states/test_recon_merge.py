@@ -1,0 +1,101 @@
+"""recon_merge: evicted keys merged into kept ones keep the fit queries' total attention mass and mass-weighted
+value; on the tiny model the method holds recon_fit's keys in recon_fit's bytes."""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "training"))
+from targets_fixture import DOC, make_targets  # noqa: E402
+
+from nectar.modules import plan_module  # noqa: E402
+from nectar.modules.provider import grouped_targets  # noqa: E402
+from nectar.queries.recon import make_recon  # noqa: E402
+from nectar.schemas.config import ProbesConfig, ReconConfig, SelectionConfig  # noqa: E402
+from nectar.states import get_method  # noqa: E402
+from nectar.states.interface import FitInputs  # noqa: E402
+from nectar.states.recon_fit import select_recon  # noqa: E402
+from nectar.states.recon_merge import merge_head, nearest_kept  # noqa: E402
+
+RECON = ReconConfig(span_words=12, withheld_fraction=0.0)
+PROBES = ProbesConfig(block_units=1)
+FIRST = {"fit_queries": "recon", "score_queries": "recon"}
+
+
+def _head(n=40, d=8, N=30, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, keys, values = (torch.randn(x, d, generator=g) for x in (N, n, n))
+    alpha = torch.logsumexp(q @ keys.T * 0.5, dim=1)  # [N] each query's log-sum-exp over the document
+    return q, alpha, keys, values
+
+
+def _mass(q, alpha, keys, beta=None):  # [N, c] exp(s·q·k − α + β)
+    logits = q.double() @ keys.double().T * 0.5 - alpha.double().unsqueeze(1)
+    return (logits + (0 if beta is None else beta.double())).exp()
+
+
+def test_merging_keeps_the_total_mass_and_the_mass_weighted_value():
+    q, alpha, keys, values = _head()
+    kept = torch.tensor([0, 3, 7, 12, 30])
+    stored = keys[kept] + 0.01  # the kept keys as stored (a rounding): β makes up for it as well
+    beta, Z = merge_head(q, alpha, keys, values, kept, stored, 0.5)
+    state = _mass(q, alpha, stored, beta)  # [N, c]
+    document = _mass(q, alpha, keys)  # [N, n]
+    torch.testing.assert_close(state.sum(), document.sum(), rtol=1e-5, atol=0)  # = N: rows of the document sum to 1
+    torch.testing.assert_close(state.sum(0) @ Z.double(), document.sum(0) @ values.double(), rtol=1e-5, atol=1e-6)
+    owner = nearest_kept(keys, kept)
+    for i, k in enumerate(kept):  # each kept key carries exactly the mass of the keys merged into it
+        torch.testing.assert_close(state[:, i].sum(), document[:, owner == i].sum(), rtol=1e-5, atol=0)
+
+
+def test_a_key_merges_into_its_most_similar_kept_key():
+    keys = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.9, 0.1], [0.1, 2.0]])
+    assert nearest_kept(keys, torch.tensor([0, 1])).tolist() == [0, 1, 0, 1]
+
+
+def test_nothing_evicted_is_the_exact_kv():
+    q, alpha, keys, values = _head(n=6)
+    kept = torch.arange(6)
+    beta, Z = merge_head(q, alpha, keys, values, kept, keys[kept], 0.5)
+    torch.testing.assert_close(beta, torch.zeros(6), atol=1e-5, rtol=0)
+    torch.testing.assert_close(Z, values, atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama, tmp_path_factory):
+    out = tmp_path_factory.mktemp("targets")
+    layout, kv, _ = make_targets(tiny_llama, DOC, out)
+    spans = tuple((s.instruction, s.response) for s in make_recon(DOC, RECON, PROBES))
+    return tiny_llama, layout, kv, spans
+
+
+def test_the_method_merges_recon_fits_keys_in_its_bytes(tiny):
+    """Through the registry on the tiny model (float32: no rounding): recon_fit's keys and bytes, the document's
+    total mass on the fit queries held head by head, masked slots masked."""
+    base, layout, kv, spans = tiny
+    plan = plan_module("quadrature", base.num_layers, base.num_kv_heads, base.head_dim, layout.n, base.scaling, 0.05)
+    inputs = FitInputs(kv, None, base=base, layout=layout, document=DOC, spans=spans, bits=32)
+    merged = get_method("recon_merge").with_options(**FIRST).fit(plan, inputs)
+    fitted = get_method("recon_fit").with_options(**FIRST).fit(plan, inputs)
+    assert merged.name == "recon_merge" and merged.nbytes == fitted.nbytes
+    assert merged.plan.quad_head_pairs == fitted.plan.quad_head_pairs
+    s = select_recon(base, layout, DOC, kv, None, plan, SelectionConfig(fit=True, **FIRST), list(spans))
+    for layer, (net, heads) in enumerate(zip(merged.module.layers, s.kept)):
+        q, alpha, _ = grouped_targets(s.queries, layer, base.num_kv_heads)
+        for h, idx in enumerate(heads):
+            c = idx.numel()
+            assert torch.isinf(net.beta[h, c:]).all() and torch.isfinite(net.beta[h, :c]).all()
+            state = _scaled_mass(q[:, h], alpha[:, h], net.W[h, :c], net.beta[h, :c], base.scaling)
+            document = _scaled_mass(q[:, h], alpha[:, h], kv.keys[layer][h].float(), None, base.scaling)
+            torch.testing.assert_close(state, document, rtol=1e-4, atol=0)
+
+
+def _scaled_mass(q, alpha, keys, beta, scaling):
+    logits = q.double() @ keys.double().T * scaling - alpha.double().unsqueeze(1)
+    return (logits + (0 if beta is None else beta.double())).exp().sum()
+
+
+def test_merging_needs_the_fit_queries():
+    with pytest.raises(ValueError, match="set fit=true"):
+        get_method("recon_merge").with_options(fit=False).fit(None, None)
