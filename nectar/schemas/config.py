@@ -376,6 +376,10 @@ class TrainConfig(FrozenConfig):
     # (modules/stored.py ``trained_as_stored``), so a quantization-aware fit is refined, not discarded;
     # False: trained in float, rounded after
     quant_aware: bool = added_setting(False)
+    # then end-to-end steps on the module as stored: the next-token KL to the full-context model over the
+    # document's reconstruction spans (the ``recon_refine`` method's steps, nectar/states/recon_refine.py);
+    # a quadrature module that reads the document (init recon_fit). 0 steps: off
+    end_to_end: RefineConfig = added_setting(RefineConfig())
     # the targets' splits trained on: "train", or "train+recon" with the reconstruction spans
     # (targets.recon.capture must have captured them)
     splits: Literal["train", "train+recon", "recon"] = added_setting("train")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -133,9 +134,11 @@ def refine(base: BaseLM, module: NectarModule, n: int, batches: list[SpanBatch],
 
 
 def refine_fitted(base: BaseLM, layout: PromptLayout, doc_kv, spans: list[tuple[str, str]], fitted: FittedState,
-                  cfg: RefineConfig, seed: int = 0, timings: dict[str, float] | None = None) -> FittedState:
-    """``fitted`` after ``cfg.steps`` steps (the first stage's ``first.refine`` and the method's fit): the
-    teacher's pass, the steps (a progress line every ~1/8 of them) and the span KLs in ``timings``."""
+                  cfg: RefineConfig, seed: int = 0, timings: dict[str, float] | None = None,
+                  progress: Callable[[int, int], None] | None = None) -> FittedState:
+    """``fitted`` after ``cfg.steps`` steps (the first stage's ``first.refine``, the train stage's
+    ``train.end_to_end`` and the method's fit): the teacher's pass, the steps (a progress line every ~1/8 of
+    them; ``progress(done, total)`` after each, a stage's bar) and the span KLs in ``timings``."""
     if cfg.steps <= 0:
         return fitted
     timings = {} if timings is None else timings
@@ -144,6 +147,8 @@ def refine_fitted(base: BaseLM, layout: PromptLayout, doc_kv, spans: list[tuple[
     every = max(1, cfg.steps // 8)
 
     def log(step: int, loss: float) -> None:  # long work shows progress: ~8 lines a refinement
+        if progress is not None:
+            progress(step + 1, cfg.steps)
         if step % every == 0 or step == cfg.steps - 1:
             print(f"refine: step {step + 1}/{cfg.steps}, span KL {loss:.4f} ({time.perf_counter() - started:.0f} s)",
                   flush=True)

@@ -14,7 +14,8 @@ from ..modules.stored import quantize_module_, trained_as_stored
 from ..schemas.artifacts import TargetsHeader, TrainLogRow
 from ..schemas.base import stable_hash
 from ..schemas.config import TrainConfig
-from ..states import FitInputs, init_method
+from ..states import FitInputs, FittedState, init_method
+from ..states.recon_refine import refine_fitted
 from ..tables import write_table
 from ..targets.online import OnlineTargets
 from ..targets.reader import TargetsData
@@ -59,6 +60,10 @@ def fit(targets_url: str, cfg: TrainConfig, base: BaseLM, doc_kv, out_url: str,
     if cfg.max_query_tokens is not None:  # a nested subset of the training pairs (the data curve)
         train_tokens = limit_query_tokens(data, cfg.splits, cfg.max_query_tokens, cfg.seed)
     plan = plan_from_config(cfg.module, h.num_layers, h.num_kv_heads, h.head_dim, h.n_context, h.scaling)
+    if cfg.end_to_end.steps > 0 and (plan.arch != "quadrature" or spans is None or document is None):
+        raise TrainInputError("train.end_to_end steps refine a quadrature state on the document's reconstruction: "
+                              "set train.module.arch=quadrature and train.module.init=recon_fit (or "
+                              "train.end_to_end.steps=0)")
     if plan.arch == "quadrature":
         if doc_kv is None:
             raise TrainInputError("a quadrature module is initialised from the document KV; pass doc_kv")
@@ -112,6 +117,12 @@ def fit(targets_url: str, cfg: TrainConfig, base: BaseLM, doc_kv, out_url: str,
             return module, counts
     # stored and served on its train.module.bits grid (trained in float, or as stored: train.quant_aware)
     quantize_module_(module)
+    if cfg.end_to_end.steps > 0:  # steps on the stored state, end to end on the reconstruction spans
+        timings: dict[str, float] = {}
+        refined = refine_fitted(base, build_layout(base.tokenizer, document), doc_kv, spans,
+                                FittedState("train", module, plan), cfg.end_to_end, cfg.seed, timings, progress)
+        module = refined.module
+        counts.update({k: round(v, 4) for k, v in timings.items()})
     info = dist_info()
     spec = make_spec(module.cpu(), plan, base.name, base.weights_hash, h.doc_sha256, h.num_q_heads,
                      normalization={"enabled": plan.normalize_targets, "source": "train split targets"})

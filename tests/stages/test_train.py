@@ -179,6 +179,34 @@ def test_recon_fit_int4_state_without_refinement_is_the_quantized_fit_saved_as_c
         train(url, CFG.model_copy(update={"refine": False}), tiny_llama, kv, str(tmp_path / "mlp"))
 
 
+def test_end_to_end_steps_refine_the_closed_form_state_in_its_bytes(tiny_llama, targets, tmp_path):
+    """train.end_to_end: recon_refine's steps on the train stage's closed-form state, reported in its counts and
+    its progress bar; the saved state keeps the fit's bytes and codes. Asked of a state that is not a
+    reconstruction-fitted quadrature, one line says what to set, before any work."""
+    from nectar.schemas.config import ProbesConfig, ReconConfig, RefineConfig
+    from nectar.queries.recon import make_recon
+
+    url, layout, kv, sha = targets
+    spans = [(s.instruction, s.response)
+             for s in make_recon(DOC, ReconConfig(span_words=12, withheld_fraction=0.0), ProbesConfig(block_units=1))]
+    mcfg = ModuleConfig(arch="quadrature", rho=0.05, bias=True, init="recon_fit", bits=4)
+    plain = train(url, CFG.model_copy(update={"refine": False, "module": mcfg}), tiny_llama, kv, str(tmp_path / "fit"),
+                  document=DOC, spans=spans)
+    assert "refine_s" not in plain
+    cfg = CFG.model_copy(update={"refine": False, "module": mcfg,
+                                 "end_to_end": RefineConfig(steps=2, batch_tokens=512, topk=16)})
+    seen = []
+    counts = train(url, cfg, tiny_llama, kv, str(tmp_path / "e2e"), document=DOC, spans=spans,
+                   progress=lambda done, total: seen.append((done, total)))
+    assert counts["refine_s"] > 0 and {"span_kl_fit", "span_kl_refined"} <= set(counts)
+    assert seen[-1] == (2, 2) and counts["module_bytes"] == plain["module_bytes"]
+    assert any(k.endswith(".codes") for k in load_file(str(tmp_path / "e2e" / "module.safetensors")))
+    load_module(str(tmp_path / "e2e"), tiny_llama, sha)
+    with pytest.raises(TrainInputError, match="train.end_to_end"):
+        train(url, CFG.model_copy(update={"end_to_end": RefineConfig(steps=2)}), tiny_llama, kv, str(tmp_path / "mlp"),
+              document=DOC, spans=spans)
+
+
 def test_recon_fit_int4_state_refined_as_stored_keeps_its_grid_and_moves_off_the_fit(tiny_llama, targets, tmp_path):
     """train.quant_aware: the int4 recon_fit fit refined by gradient steps that see it as stored; the saved
     state is on its grid (codes in the file), starts where the fit is (same step-0 held-out row) and
