@@ -251,6 +251,13 @@ register(System("recon_first_merged@int4", "method", "recon_first@int4's keys wi
                 "the reconstruction queries) instead of the least-squares fit", method="recon_merge", bits=4,
                 options={**FIRST_TOP, "key_choice": FIRST_KEY_CHOICE}, default=False))
 
+# ... fitted as recon_first@int4 is, with the fit's ridge pulling β and the values toward that merge instead of
+# β = 0 and the kept keys' own values (select.fit_prior "merged")
+register(System("recon_first_fitmerged@int4", "method", "recon_first@int4 with the closed-form fit ridged toward the "
+                "evicted keys merged into the kept ones (β, values) instead of β = 0 and the kept values",
+                method="recon_fit", bits=4, options={**FIRST_TOP, "key_choice": FIRST_KEY_CHOICE, "fit_prior": "merged"},
+                default=False))
+
 # The bits allocated by rate and distortion (issue 38, nectar/states/recon_mixed.py): recon_first's keys and
 # queries, each (layer, KV head) stored at int2, int4 or int8 as distortion removed per byte decides (opt-in:
 # stored as one module per precision, so scored here but not yet servable from one file).

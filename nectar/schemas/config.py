@@ -244,6 +244,10 @@ class SelectionConfig(FrozenConfig):
     # squares on the fit queries' attention, states/greedy_keys.py; needs fit), or greedy only where keys
     # are scarce ("auto": the state keeps at most GREEDY_SHARE of the document's entries, else top)
     key_choice: Literal["top", "greedy", "auto"] = added_setting("top")
+    # what the fit's ridge pulls β and the values toward where the queries leave them free: β = 0 and the
+    # kept keys' own values ("kept"), or every evicted key merged into its most similar kept one ("merged":
+    # β and the value carry their total mass and mass-weighted value, states/merging.py)
+    fit_prior: Literal["kept", "merged"] = added_setting("kept")
 
     @model_validator(mode="after")
     def _greedy_needs_fit(self) -> "SelectionConfig":

@@ -110,16 +110,18 @@ def _fixed(p: int, free: torch.Tensor) -> torch.Tensor:
     return fixed
 
 
-def fit_log_mass(mass: torch.Tensor, free: torch.Tensor | None = None) -> torch.Tensor:
+def fit_log_mass(mass: torch.Tensor, free: torch.Tensor | None = None, prior: torch.Tensor | None = None
+                 ) -> torch.Tensor:
     """mass [N, p] = exp(s·q·k_j − α) for the kept keys → β [p] with Σ_j e^{β_j} mass[r, j] ≈ 1.
 
     A small ridge towards w = 1 (β = 0) picks, among weightings that fit equally well (queries of a
     head are often nearly collinear), the one closest to the plain kept keys — so keeping every key
     gives back exactly the document's state. ``free`` (``fitted_keys``): only those keys' β are
-    fitted, to the mass the others (β = 0) leave; theirs stay 0."""
+    fitted, to the mass the others (β = 0) leave; theirs stay 0. ``prior`` [p]: the weights w the ridge
+    pulls toward instead of 1 (merged keys' masses, ``select.fit_prior: merged``)."""
     if free is not None:
         return capped_log_mass(CappedMasses.of(mass, free), mass.shape[1])
-    return _solve_log_mass(mass.float().contiguous(), None)
+    return _solve_log_mass(mass.float().contiguous(), None, prior)
 
 
 def capped_log_mass(masses: CappedMasses, p: int) -> torch.Tensor:
@@ -132,15 +134,17 @@ def capped_log_mass(masses: CappedMasses, p: int) -> torch.Tensor:
     return out
 
 
-def _solve_log_mass(M: torch.Tensor, target: torch.Tensor | None) -> torch.Tensor:
-    """β [k] float64 with Σ_j e^{β_j} M[r, j] ≈ target[r] (1 when None) by the ridged NNLS, M [N, k] float32."""
+def _solve_log_mass(M: torch.Tensor, target: torch.Tensor | None, prior: torch.Tensor | None = None) -> torch.Tensor:
+    """β [k] float64 with Σ_j e^{β_j} M[r, j] ≈ target[r] (1 when None) by the ridged NNLS, M [N, k] float32;
+    the ridge pulls w = e^β toward ``prior`` [k] (1 when None)."""
     G = gram(M)  # [k, k]: the fit only needs MᵀM and Mᵀt, so N (thousands of queries) drops out
     mu2 = RIDGE * max(float(G.diagonal().mean()), 1e-12)
     G.diagonal().add_(mu2)  # MᵀM + μ²I
     # Mᵀ1 + μ²·1 (Mᵀt + μ²·1 with fixed keys): float32 products (each entry a sum of N terms, ~1e-7
     # relative — the Gram's own precision) where a float64 copy of M cost more than the fit's Gram
-    rhs = (M.sum(0, dtype=torch.float64) if target is None else (M.T @ target.float()).double()) + mu2
-    # ‖Mw − t‖² + μ²‖w − 1‖² = wᵀGw − 2 rhsᵀw + const: a strictly convex QP over w ≥ 0 (the same
+    rhs = (M.sum(0, dtype=torch.float64) if target is None else (M.T @ target.float()).double())
+    rhs = rhs + (mu2 if prior is None else mu2 * prior.double())
+    # ‖Mw − t‖² + μ²‖w − 1‖² (w − prior with a prior) = wᵀGw − 2 rhsᵀw + const: a strictly convex QP over w ≥ 0 (the same
     # NNLS as ‖Lᵀw − L⁻¹rhs‖² with G = LLᵀ), solved exactly by block principal pivoting on G.
     return torch.log(nnls_gram(G, rhs).clamp_min(MIN_MASS)).cpu()  # [k] float64
 

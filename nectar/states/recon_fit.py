@@ -78,7 +78,7 @@ def fit_recon(base: BaseLM, layout: PromptLayout, document: str, doc_kv, targets
     timings = {} if timings is None else timings
     s = select_recon(base, layout, document, doc_kv, targets, plan, select, spans, seed, timings)
     module = build_selected(s.plan, s.kept, doc_kv, s.queries, select.quant_aware, timings=timings,
-                            fit_keys=select.fit_keys, value_rounding=select.value_rounding)
+                            fit_keys=select.fit_keys, value_rounding=select.value_rounding, fit_prior=select.fit_prior)
     return FittedState(ReconFit.name, module, s.plan, scores=s.scores)  # scores [L, Hkv, n]: what the allocation ranked
 
 
@@ -172,6 +172,9 @@ class ReconFit(StateMethod):
     # a head's kept keys: its top-scored ones, or chosen together for the fit ("greedy", greedy_keys.py)
     # ("auto": greedy where the state keeps at most GREEDY_SHARE of the document's entries, else top)
     key_choice: Literal["top", "greedy", "auto"] = "top"
+    # what the fit's ridge pulls β and the values toward: β = 0 and the kept keys' own values ("kept"), or
+    # the evicted keys merged into the kept ones ("merged", merging.py)
+    fit_prior: Literal["kept", "merged"] = "kept"
 
     name = "recon_fit"
     READS = frozenset({"doc_kv", "document", "train_queries"})

@@ -40,6 +40,7 @@ from ..modules.provider import group_queries, grouped_targets
 from ..modules.stored import quantize_module_
 from ..quantization import fake_quantize
 from ..targets.capture import pack
+from .merging import merge_head
 from .matching_fit import capped_log_mass, capped_masses, capped_values, fit_log_mass, fit_values
 from .selection import attention_probs
 
@@ -336,7 +337,8 @@ def selection_plan(plan: ModulePlan, kept: list[list[torch.Tensor]], fit: bool) 
 @torch.no_grad()
 def build_selected(plan: ModulePlan, kept: list[list[torch.Tensor]], doc_kv, queries=None,
                    quant_aware: bool = True, timings: dict[str, float] | None = None,
-                   fit_keys: int | None = None, value_rounding: str = "nearest") -> NectarModule:
+                   fit_keys: int | None = None, value_rounding: str = "nearest", fit_prior: str = "kept"
+                   ) -> NectarModule:
     """The module of the kept keys: exact KV (β = 0), or with fitted β and values when ``queries``
     (an object with q [T, L, Hq, d], alpha [T, L, Hq], A [T, L, Hq, d]) are given.
 
@@ -348,7 +350,9 @@ def build_selected(plan: ModulePlan, kept: list[list[torch.Tensor]], doc_kv, que
     fit_values_s) added to it. ``fit_keys``: at most this many keys of a head fitted jointly
     (matching_fit.fitted_keys; None: all). ``value_rounding`` "gptq": with ``quant_aware`` below 32 bits,
     the fitted values reach their grid by the value fit's own objective (value_rounding.py), else each
-    is rounded to its nearest point when the module is stored."""
+    is rounded to its nearest point when the module is stored. ``fit_prior`` "merged": the fit's ridge pulls
+    β and the values toward the evicted keys merged into the kept ones (merging.py) instead of β = 0 and
+    the kept keys' own values (heads over ``fit_keys`` keep the plain prior)."""
     timings = {} if timings is None else timings
     module = build_module(plan)
     hkv, bits, group = plan.num_kv_heads, plan.bits, plan.quant_group
@@ -378,7 +382,8 @@ def build_selected(plan: ModulePlan, kept: list[list[torch.Tensor]], doc_kv, que
             Wh = rows(keys[h, idx])  # [c, d]
             W[h, :c], Z[h, :c], B[h, :c] = Wh, values[h, idx], 0.0
             if queries is not None:
-                heads.append(_HeadFit(layer, h, q[:, h], alpha[:, h], A[:, h], Wh, values[h, idx]))
+                merged_from = (keys[h], values[h], idx) if fit_prior == "merged" else None
+                heads.append(_HeadFit(layer, h, q[:, h], alpha[:, h], A[:, h], Wh, values[h, idx], merged_from))
         pairs.append((W, Z, B))
     if heads:
         start = time.perf_counter()
@@ -410,6 +415,9 @@ class _HeadFit:
     A: torch.Tensor  # [T·g, d]
     keys: torch.Tensor  # [c, d]
     values: torch.Tensor  # [c, d]
+    # select.fit_prior "merged": the head's document keys and values [n, d] and the kept indices [c], whose
+    # merge (merging.py) is the ridge's prior for β and the values; None: β = 0 and the kept values
+    merged_from: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def fit(self, scaling: float, log_mass, cap: int | None = None, grid: tuple[int, int] | None = None
             ) -> tuple[torch.Tensor, torch.Tensor, float, float]:
@@ -419,13 +427,17 @@ class _HeadFit:
         start = time.perf_counter()
         # over the cap: the fitted keys' masses and the fixed keys' sums, in row blocks; else None
         capped = capped_masses(self.q, self.alpha, self.keys, self.values, scaling, cap)
+        prior_w, prior = None, self.values
         if capped is None:
+            if self.merged_from is not None:  # the merge as the ridge's prior (a capped head keeps the plain one)
+                merged_beta, prior = merge_head(self.q, self.alpha, *self.merged_from, self.keys, scaling)
+                prior_w = merged_beta.double().exp()
             mass = attention_probs(self.q, self.alpha, self.keys, scaling)  # [T·g, c]
-            beta = log_mass(fit_log_mass(mass))
+            beta = log_mass(fit_log_mass(mass, prior=prior_w))
         else:
             beta = log_mass(capped_log_mass(capped, self.keys.shape[0]))
         mid = time.perf_counter()
-        Z = fit_values(mass, beta, self.A, self.values, grid=grid) if capped is None else \
+        Z = fit_values(mass, beta, self.A, prior, grid=grid) if capped is None else \
             capped_values(capped, beta, self.A, self.values, grid)
         return beta.float(), Z.float(), mid - start, time.perf_counter() - mid
 

@@ -16,7 +16,7 @@ from nectar.schemas.config import ProbesConfig, ReconConfig, SelectionConfig  # 
 from nectar.states import get_method  # noqa: E402
 from nectar.states.interface import FitInputs  # noqa: E402
 from nectar.states.recon_fit import select_recon  # noqa: E402
-from nectar.states.recon_merge import merge_head, nearest_kept  # noqa: E402
+from nectar.states.merging import merge_head, nearest_kept  # noqa: E402
 
 RECON = ReconConfig(span_words=12, withheld_fraction=0.0)
 PROBES = ProbesConfig(block_units=1)
@@ -99,3 +99,20 @@ def _scaled_mass(q, alpha, keys, beta, scaling):
 def test_merging_needs_the_fit_queries():
     with pytest.raises(ValueError, match="set fit=true"):
         get_method("recon_merge").with_options(fit=False).fit(None, None)
+
+
+def test_the_fits_ridge_pulls_toward_its_prior_where_no_query_decides():
+    """select.fit_prior: a key no fit query reaches is set by the ridge alone — to the prior's weight and value
+    (the merge's), where the plain fit leaves β = 0 and the kept value."""
+    from nectar.states.matching_fit import fit_log_mass, fit_values
+
+    g = torch.Generator().manual_seed(1)
+    mass = torch.rand(50, 4, generator=g) * 0.3
+    mass[:, 2] = 0.0  # no query attends key 2
+    prior_w = torch.tensor([1.0, 2.0, 5.0, 0.5], dtype=torch.float64)
+    plain, pulled = fit_log_mass(mass), fit_log_mass(mass, prior=prior_w)
+    assert plain[2].item() == pytest.approx(0.0, abs=1e-9)
+    assert pulled[2].item() == pytest.approx(float(torch.log(prior_w[2])), abs=1e-6)
+    prior_values = torch.randn(4, 8, generator=g)
+    Z = fit_values(mass, pulled, torch.randn(50, 8, generator=g), prior_values)
+    torch.testing.assert_close(Z[2].float(), prior_values[2], rtol=1e-5, atol=1e-5)
