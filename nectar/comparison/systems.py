@@ -40,7 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ..schemas.config import (FIRST_FIT_KEYS, FIRST_KEY_CHOICE, FIRST_SCORE_WINDOW, ModuleConfig, PipelineConfig,
+from ..schemas.config import (FIRST_FIT_BY, FIRST_FIT_KEYS, FIRST_KEY_CHOICE, FIRST_SCORE_WINDOW, ModuleConfig, PipelineConfig,
                               TrainConfig)
 from ..schemas.presets import PRESET_REGIMES, PRESETS, REGIMES, ConfigError, deep_merge, regime_overlay
 from ..schemas.renamed import renamed
@@ -188,7 +188,7 @@ for _bits in (8, 4):
 # The first state's settings before its key choice went "auto" (issue 38): the variants below are this with one
 # setting changed, as they were measured (their cache keys unchanged)
 FIRST_TOP = {"fit": True, "fit_queries": "recon", "score_queries": "recon", "fit_keys": FIRST_FIT_KEYS,
-             "score_window": FIRST_SCORE_WINDOW}
+             "score_window": FIRST_SCORE_WINDOW, "fit_by": FIRST_FIT_BY}
 
 # The first state's algorithm (nectar/stages/first.py) at any budget: keys ranked and β, values fitted on the
 # reconstruction queries alone, int4 — from the document alone, so its state s is prefill + fit (opt-in).
@@ -245,11 +245,15 @@ register(System("recon_first_refined@int4", "method", "recon_first@int4 refined 
 
 # ... with every evicted key merged into its most similar kept key (β and the value keep the merged keys' total
 # attention mass and mass-weighted value on the fit queries) instead of β and values fitted by least squares
-# (issue 38's lever, nectar/states/recon_merge.py)
+# (issue 38's lever, select.fit_by "merge", nectar/states/merging.py; the first state merges unless keys are scarce)
 register(System("recon_first_merged@int4", "method", "recon_first@int4's keys with every evicted key merged into "
                 "its most similar kept key (β and value keep their total attention mass and mass-weighted value on "
-                "the reconstruction queries) instead of the least-squares fit", method="recon_merge", bits=4,
-                options={**FIRST_TOP, "key_choice": FIRST_KEY_CHOICE}, default=False))
+                "the reconstruction queries) instead of the least-squares fit", method="recon_fit", bits=4,
+                options={**FIRST_TOP, "key_choice": FIRST_KEY_CHOICE, "fit_by": "merge"}, default=False))
+# ... and by least squares at every budget (the first state before fit_by "auto")
+register(System("recon_first_lsq@int4", "method", "recon_first@int4 with β and values fitted by least squares at "
+                "every budget", method="recon_fit", bits=4,
+                options={**FIRST_TOP, "key_choice": FIRST_KEY_CHOICE, "fit_by": "least_squares"}, default=False))
 
 # ... fitted as recon_first@int4 is, with the fit's ridge pulling β and the values toward that merge instead of
 # β = 0 and the kept keys' own values (select.fit_prior "merged")

@@ -248,12 +248,20 @@ class SelectionConfig(FrozenConfig):
     # kept keys' own values ("kept"), or every evicted key merged into its most similar kept one ("merged":
     # β and the value carry their total mass and mass-weighted value, states/merging.py)
     fit_prior: Literal["kept", "merged"] = added_setting("kept")
+    # how β and the values are made (with fit): least squares on the fit queries' attention ("least_squares",
+    # states/matching_fit.py), every evicted key merged into its most similar kept one ("merge": β and the
+    # value carry their total mass and mass-weighted value, states/merging.py), or merged unless keys are
+    # scarce ("auto": least squares where the state keeps at most GREEDY_SHARE of the document's entries)
+    fit_by: Literal["least_squares", "merge", "auto"] = added_setting("least_squares")
 
     @model_validator(mode="after")
     def _greedy_needs_fit(self) -> "SelectionConfig":
         if self.key_choice != "top" and not self.fit:
             raise ValueError(f"select.key_choice={self.key_choice} chooses keys for the fit on the fit queries: set "
                              "select.fit=true or key_choice=top")
+        if self.fit_by != "least_squares" and not self.fit:
+            raise ValueError(f"select.fit_by={self.fit_by} makes β and the values from the fit queries: set "
+                             "select.fit=true or fit_by=least_squares")
         return self
 
     @model_validator(mode="after")
@@ -281,9 +289,13 @@ FIRST_SCORE_WINDOW = 1024
 # 0 to +10 points of probe KL at 0.5 % (+2 to +6 on the withheld probes, never below) and −1.7 to +3.2 at 1 %
 # (6.9 % kept), nothing from 2 % up (docs/quality.md, "Keys chosen together for the fit")
 FIRST_KEY_CHOICE = "auto"
+# the first state's β and values (SelectionConfig.fit_by): merged where keys are plentiful, least squares where
+# scarce — merging gained +0.8 to +2.1 points over least squares at 1–5 % of the float32 bytes on Apache-2.0 and
+# pydoc:naming, where least squares was 10 points ahead at 0.5 % (docs/quality.md "Merging evicted keys")
+FIRST_FIT_BY = "auto"
 # the first state's selection: a ``--set first.select.KEY=VALUE`` changes KEY of THIS, not of SelectionConfig()
 FIRST_SELECT = SelectionConfig(fit_queries="recon", score_queries="recon", fit_keys=FIRST_FIT_KEYS,
-                               score_window=FIRST_SCORE_WINDOW, key_choice=FIRST_KEY_CHOICE)
+                               score_window=FIRST_SCORE_WINDOW, key_choice=FIRST_KEY_CHOICE, fit_by=FIRST_FIT_BY)
 
 
 class RefineConfig(FrozenConfig):

@@ -44,6 +44,12 @@ def chooses_greedy(key_choice: str, kept: list[list[torch.Tensor]], n: int) -> b
     greedily: always ("greedy"), never ("top"), or when they are at most GREEDY_SHARE of its entries ("auto")."""
     if key_choice != "auto":
         return key_choice == "greedy"
+    return scarce(kept, n)
+
+
+def scarce(kept: list[list[torch.Tensor]], n: int) -> bool:
+    """Whether the ``kept`` [L][Hkv] keys are at most GREEDY_SHARE of an ``n``-token document's entries: where
+    ``auto`` chooses keys greedily (key_choice) and fits β and values by least squares (fit_by)."""
     entries = sum(idx.numel() for heads in kept for idx in heads)
     return entries <= GREEDY_SHARE * n * sum(len(heads) for heads in kept)
 

@@ -1,7 +1,17 @@
-"""Merging evicted keys into kept ones (recon_merge's state, and the prior recon_fit's fit can be ridged toward,
-``select.fit_prior: merged``): each evicted key of a head joins its most similar kept key, whose log-mass
-bias β and value then carry the attention mass and mass-weighted value of every key merged into it, over the
-fit queries. nectar/states/recon_merge.py says why.
+"""Merging evicted keys into kept ones (issue 38's lever; ``select.fit_by: merge``, and the prior recon_fit's
+least squares can be ridged toward, ``select.fit_prior: merged``): each evicted key of a (layer, KV head) joins
+the kept key it is most similar to (cosine of the keys: keys that point alike are attended alike, so one key
+with a larger mass stands in for both), and per kept key i
+
+    M_i = Σ_q m_q(k_i) + Σ_{j→i} Σ_q m_q(k_j)      (m_q(k) = exp(s·q·k − α_q), α_q the query's log-sum-exp
+                                                     over the whole document)
+    β_i = log(M_i / Σ_q m_q(k̂_i))                   (k̂_i: the key as stored)
+    v_i = (Σ over i and the keys merged into it of the key's mass × its value) / M_i
+
+so the state holds the document's total attention mass over the fit queries and its mass-weighted sum of
+values. No least squares: where the fit solves β and values jointly for the fit queries' outputs — and, with
+hundreds of keys a head, follows those queries closely — merging keeps two totals, which held up better on
+held-out probes wherever keys were not scarce (docs/quality.md, "Merging evicted keys instead of fitting").
 """
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ from ..layout import PromptLayout
 from ..modules.budget import ragged_pair_bytes
 from ..modules.builder import ModulePlan, NectarModule
 from ..schemas.config import ModuleConfig, SelectionConfig
-from .greedy_keys import chooses_greedy, greedy_kept
+from .greedy_keys import chooses_greedy, greedy_kept, scarce
 from .interface import FitInputs, FittedState, StateMethod
 from .reconstruction import (ReconCapture, allocate, anchor_mask, build_selected, combined_scores, recon_capture,
                              selection_plan, template_mask, train_scores)
@@ -73,12 +73,14 @@ def fit_recon(base: BaseLM, layout: PromptLayout, document: str, doc_kv, targets
               plan: ModulePlan, select: SelectionConfig, spans: list[tuple[str, str]],
               seed: int = 0, timings: dict[str, float] | None = None) -> FittedState:
     """recon_fit in the bytes of ``plan``, stored at ``plan.bits``: ``select_recon``'s keys, then β and
-    values fitted (reconstruction.py ``build_selected``). ``timings``: seconds of each part added to it
+    values fitted or merged (``select.fit_by``; reconstruction.py ``build_selected``). ``timings``: seconds of each part added to it
     (recon_s, allocate_s and build_selected's fit_mass_s / fit_values_s), for the first state's profile."""
     timings = {} if timings is None else timings
     s = select_recon(base, layout, document, doc_kv, targets, plan, select, spans, seed, timings)
+    merge = select.fit_by == "merge" or (select.fit_by == "auto" and not scarce(s.kept, layout.n))
     module = build_selected(s.plan, s.kept, doc_kv, s.queries, select.quant_aware, timings=timings,
-                            fit_keys=select.fit_keys, value_rounding=select.value_rounding, fit_prior=select.fit_prior)
+                            fit_keys=select.fit_keys, value_rounding=select.value_rounding, fit_prior=select.fit_prior,
+                            merge=merge)
     return FittedState(ReconFit.name, module, s.plan, scores=s.scores)  # scores [L, Hkv, n]: what the allocation ranked
 
 
@@ -175,6 +177,9 @@ class ReconFit(StateMethod):
     # what the fit's ridge pulls β and the values toward: β = 0 and the kept keys' own values ("kept"), or
     # the evicted keys merged into the kept ones ("merged", merging.py)
     fit_prior: Literal["kept", "merged"] = "kept"
+    # β and values by least squares, by merging the evicted keys into the kept ones (merging.py), or merged
+    # unless the state keeps at most GREEDY_SHARE of the document's entries ("auto")
+    fit_by: Literal["least_squares", "merge", "auto"] = "least_squares"
 
     name = "recon_fit"
     READS = frozenset({"doc_kv", "document", "train_queries"})

@@ -337,8 +337,8 @@ def selection_plan(plan: ModulePlan, kept: list[list[torch.Tensor]], fit: bool) 
 @torch.no_grad()
 def build_selected(plan: ModulePlan, kept: list[list[torch.Tensor]], doc_kv, queries=None,
                    quant_aware: bool = True, timings: dict[str, float] | None = None,
-                   fit_keys: int | None = None, value_rounding: str = "nearest", fit_prior: str = "kept"
-                   ) -> NectarModule:
+                   fit_keys: int | None = None, value_rounding: str = "nearest", fit_prior: str = "kept",
+                   merge: bool = False) -> NectarModule:
     """The module of the kept keys: exact KV (β = 0), or with fitted β and values when ``queries``
     (an object with q [T, L, Hq, d], alpha [T, L, Hq], A [T, L, Hq, d]) are given.
 
@@ -352,7 +352,8 @@ def build_selected(plan: ModulePlan, kept: list[list[torch.Tensor]], doc_kv, que
     the fitted values reach their grid by the value fit's own objective (value_rounding.py), else each
     is rounded to its nearest point when the module is stored. ``fit_prior`` "merged": the fit's ridge pulls
     β and the values toward the evicted keys merged into the kept ones (merging.py) instead of β = 0 and
-    the kept keys' own values (heads over ``fit_keys`` keep the plain prior)."""
+    the kept keys' own values (heads over ``fit_keys`` keep the plain prior). ``merge``: β and the values
+    are the merge itself, no least squares (``select.fit_by``)."""
     timings = {} if timings is None else timings
     module = build_module(plan)
     hkv, bits, group = plan.num_kv_heads, plan.bits, plan.quant_group
@@ -382,13 +383,13 @@ def build_selected(plan: ModulePlan, kept: list[list[torch.Tensor]], doc_kv, que
             Wh = rows(keys[h, idx])  # [c, d]
             W[h, :c], Z[h, :c], B[h, :c] = Wh, values[h, idx], 0.0
             if queries is not None:
-                merged_from = (keys[h], values[h], idx) if fit_prior == "merged" else None
+                merged_from = (keys[h], values[h], idx) if fit_prior == "merged" or merge else None
                 heads.append(_HeadFit(layer, h, q[:, h], alpha[:, h], A[:, h], Wh, values[h, idx], merged_from))
         pairs.append((W, Z, B))
     if heads:
         start = time.perf_counter()
-        fitted = run_per_head(lambda t: t.fit(plan.scaling, log_mass, fit_keys, grid), heads,
-                              cost=lambda t: min(t.keys.shape[0], fit_keys or t.keys.shape[0]))
+        fitted = run_per_head(lambda t: t.merge(plan.scaling) if merge else t.fit(plan.scaling, log_mass, fit_keys, grid),
+                              heads, cost=lambda t: min(t.keys.shape[0], fit_keys or t.keys.shape[0]))
         wall = time.perf_counter() - start
         for t, (beta, Zh, mass_s, values_s) in zip(heads, fitted):
             _, Z, B = pairs[t.layer]
@@ -440,6 +441,13 @@ class _HeadFit:
         Z = fit_values(mass, beta, self.A, prior, grid=grid) if capped is None else \
             capped_values(capped, beta, self.A, self.values, grid)
         return beta.float(), Z.float(), mid - start, time.perf_counter() - mid
+
+
+    def merge(self, scaling: float) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+        """(β [c], values [c, d], seconds, 0): the evicted keys merged into the kept ones (merging.py)."""
+        start = time.perf_counter()
+        beta, Z = merge_head(self.q, self.alpha, *self.merged_from, self.keys, scaling)
+        return beta, Z, time.perf_counter() - start, 0.0
 
 
 def run_per_head(fn, tasks: list, cost) -> list:

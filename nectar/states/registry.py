@@ -17,7 +17,6 @@ from .interface import FitInputs, FittedState, StateMethod
 from .kvpress_press import PREFIX as KVPRESS_PREFIX
 from .kvpress_press import KvpressPress
 from .recon_fit import ReconFit
-from .recon_merge import ReconMerge
 from .recon_mixed import ReconMixed
 from .recon_refine import ReconRefine
 from .selection import KeyScore
@@ -38,8 +37,7 @@ def unregister(name: str) -> None:
     METHODS.pop(name, None)
 
 
-for _m in (Truncate(), Evict(), AttentionMatching(), AttentionMatchingKV(), ReconFit(), ReconMixed(), ReconRefine(),
-           ReconMerge()):
+for _m in (Truncate(), Evict(), AttentionMatching(), AttentionMatchingKV(), ReconFit(), ReconMixed(), ReconRefine()):
     register(_m)
 
 
