@@ -188,7 +188,9 @@ for _bits in (8, 4):
 # The first state's settings before its key choice went "auto" (issue 38): the variants below are this with one
 # setting changed, as they were measured (their cache keys unchanged)
 FIRST_TOP = {"fit": True, "fit_queries": "recon", "score_queries": "recon", "fit_keys": FIRST_FIT_KEYS,
-             "score_window": FIRST_SCORE_WINDOW, "fit_by": FIRST_FIT_BY}
+             "score_window": FIRST_SCORE_WINDOW}
+# The first state's selection as it is now (FIRST_SELECT): the systems that must equal it start from this
+FIRST = {**FIRST_TOP, "key_choice": FIRST_KEY_CHOICE, "fit_by": FIRST_FIT_BY}
 
 # The first state's algorithm (nectar/stages/first.py) at any budget: keys ranked and β, values fitted on the
 # reconstruction queries alone, int4 — from the document alone, so its state s is prefill + fit (opt-in).
@@ -196,9 +198,10 @@ register(System("recon_first@int4", "method", "the first stage's state: recon_fi
                 "reconstruction queries alone (no question about the document), at most "
                 f"{FIRST_FIT_KEYS:,} keys of a head fitted jointly, each key scored by the reconstruction within "
                 f"{FIRST_SCORE_WINDOW:,} tokens of it, a head's keys chosen together for the fit where the state "
-                f"keeps at most {GREEDY_SHARE:.0%} of the document's entries (top-scored above), stored at int4 "
+                f"keeps at most {GREEDY_SHARE:.0%} of the document's entries (top-scored above, and β and values made by "
+                "merging every evicted key into its most similar kept one instead of least squares), stored at int4 "
                 "(fp16 scale and zero per 64 values, β bf16)",
-                method="recon_fit", bits=4, options={**FIRST_TOP, "key_choice": FIRST_KEY_CHOICE}, default=False))
+                method="recon_fit", bits=4, options=FIRST, default=False))
 # ... keeping each head's top-scored keys at every budget, as the first state did before (issue 38's panel
 # measured this as the first state: docs/quality.md, "A panel of documents")
 register(System("recon_first_top@int4", "method", "recon_first@int4 keeping each head's top-scored keys at every "
@@ -241,7 +244,7 @@ register(System("recon_first_greedy@int4", "method", "recon_first@int4 with each
 register(System("recon_first_refined@int4", "method", "recon_first@int4 refined by Adam steps on the KL to the "
                 "full-context model over the reconstruction spans, every stored key, value and β read on its grid "
                 "(straight-through); kept only where it lowers the spans' KL", method="recon_refine", bits=4,
-                options={**FIRST_TOP, "key_choice": FIRST_KEY_CHOICE}, default=False))
+                options=FIRST, default=False))
 
 # ... with every evicted key merged into its most similar kept key (β and the value keep the merged keys' total
 # attention mass and mass-weighted value on the fit queries) instead of β and values fitted by least squares
@@ -249,17 +252,17 @@ register(System("recon_first_refined@int4", "method", "recon_first@int4 refined 
 register(System("recon_first_merged@int4", "method", "recon_first@int4's keys with every evicted key merged into "
                 "its most similar kept key (β and value keep their total attention mass and mass-weighted value on "
                 "the reconstruction queries) instead of the least-squares fit", method="recon_fit", bits=4,
-                options={**FIRST_TOP, "key_choice": FIRST_KEY_CHOICE, "fit_by": "merge"}, default=False))
+                options={**FIRST, "fit_by": "merge"}, default=False))
 # ... and by least squares at every budget (the first state before fit_by "auto")
 register(System("recon_first_lsq@int4", "method", "recon_first@int4 with β and values fitted by least squares at "
                 "every budget", method="recon_fit", bits=4,
-                options={**FIRST_TOP, "key_choice": FIRST_KEY_CHOICE, "fit_by": "least_squares"}, default=False))
+                options={**FIRST, "fit_by": "least_squares"}, default=False))
 
 # ... fitted as recon_first@int4 is, with the fit's ridge pulling β and the values toward that merge instead of
 # β = 0 and the kept keys' own values (select.fit_prior "merged")
 register(System("recon_first_fitmerged@int4", "method", "recon_first@int4 with the closed-form fit ridged toward the "
                 "evicted keys merged into the kept ones (β, values) instead of β = 0 and the kept values",
-                method="recon_fit", bits=4, options={**FIRST_TOP, "key_choice": FIRST_KEY_CHOICE, "fit_prior": "merged"},
+                method="recon_fit", bits=4, options={**FIRST, "fit_prior": "merged", "fit_by": "least_squares"},
                 default=False))
 
 # The bits allocated by rate and distortion (issue 38, nectar/states/recon_mixed.py): recon_first's keys and

@@ -100,7 +100,8 @@ def test_the_first_state_and_its_compare_system_score_in_the_same_window():
     system = ReconFit.from_select(SelectionConfig()).with_options(**SYSTEMS["recon_first@int4"].options)
     assert system.select == first
     top = ReconFit.from_select(SelectionConfig()).with_options(**SYSTEMS["recon_first_top@int4"].options)
-    assert top.select == first.model_copy(update={"key_choice": "top"})
+    # the first state as it was before its key choice and its β/value estimate went "auto"
+    assert top.select == first.model_copy(update={"key_choice": "top", "fit_by": "least_squares"})
     whole = ReconFit.from_select(SelectionConfig()).with_options(**SYSTEMS["recon_first_allscores@int4"].options)
     assert whole.select == top.select.model_copy(update={"score_window": None})
 
