@@ -290,8 +290,9 @@ FIRST_SCORE_WINDOW = 1024
 # (6.9 % kept), nothing from 2 % up (docs/quality.md, "Keys chosen together for the fit")
 FIRST_KEY_CHOICE = "auto"
 # the first state's β and values (SelectionConfig.fit_by): merged where keys are plentiful, least squares where
-# scarce — merging gained +0.8 to +2.1 points over least squares at 1–5 % of the float32 bytes on Apache-2.0 and
-# pydoc:naming, where least squares was 10 points ahead at 0.5 % (docs/quality.md "Merging evicted keys")
+# scarce — merging gained +0.5 to +1.6 points over least squares at 5 % of the float32 bytes on all five documents
+# measured (above KVzip+int8 where least squares tied it), was even on average at 1 % and 10 points behind at
+# 0.5 % (docs/quality.md "Merging evicted keys instead of fitting")
 FIRST_FIT_BY = "auto"
 # the first state's selection: a ``--set first.select.KEY=VALUE`` changes KEY of THIS, not of SelectionConfig()
 FIRST_SELECT = SelectionConfig(fit_queries="recon", score_queries="recon", fit_keys=FIRST_FIT_KEYS,
