@@ -5,9 +5,8 @@
 
 Each step count N is the state ``recon_first_refined<N>@int4`` — ``recon_first_refined@int4`` (the
 ``recon_refine`` method, nectar/states/recon_refine.py) with ``steps=N`` — registered here, opt-in, and
-scored by benchmarks/document_panel.py's machinery (its cells, its cache: a folder holding a panel of
-the same document reuses the first state, the 200-step state and the presses it already scored) against
-the first state (``recon_first@int4``, the Δ's reference) and the 200-step state. Adam runs at a constant
+scored by benchmarks/document_panel.py's machinery (its cells and its cache) against
+the first state (``recon_first@int4``, the Δ's reference); 200 steps is ``recon_first_refined@int4`` itself. Adam runs at a constant
 rate in a seeded batch order, so an N-step state is the 200-step run's state after N steps: the curve is
 one refinement seen at several lengths. The time each state took is in its cell's comparison table.
 """
@@ -25,10 +24,12 @@ def register_steps(steps: list[int]) -> list[str]:
     """``recon_first_refined<N>@int4`` for each N: the registered refined state with N steps."""
     from nectar.comparison.systems import SYSTEMS, System, register
 
+    from nectar.states.recon_refine import REFINE_STEPS
+
     base = SYSTEMS["recon_first_refined@int4"]
     names = []
     for n in steps:
-        name = f"recon_first_refined{n}@int4"
+        name = base.name if n == REFINE_STEPS else f"recon_first_refined{n}@int4"
         if name not in SYSTEMS:
             register(System(name, "method", f"{base.description} ({n} steps)", method=base.method, bits=base.bits,
                             options={**base.options, "steps": n}, default=False))
@@ -40,10 +41,9 @@ def main(argv: list[str] | None = None):
     import document_panel
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", default="25,50,100", help="step counts, each a state (200 is the method's own)")
+    ap.add_argument("--steps", default="25,50,100,200", help="step counts, each a state (200: the method's own)")
     args, rest = ap.parse_known_args(argv)
-    names = register_steps([int(s) for s in args.steps.split(",") if s])
-    states = ",".join(names + ["recon_first_refined@int4"])
+    states = ",".join(register_steps([int(s) for s in args.steps.split(",") if s]))
     return document_panel.main(rest + ["--states", states, "--references", "recon_first@int4",
                                        "--reference", "recon_first@int4"])
 
