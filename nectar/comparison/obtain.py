@@ -80,25 +80,29 @@ def _run_state(job: Job, ctx: RunContext, base) -> Obtained:
     seconds = seconds_to(ctx.run, path)
     if seconds is None and stage == "train":  # no promote yet: the stages up to train
         seconds = seconds_to(ctx.run, path[:-1])
-    if stage == "first":  # timed again here, beside the presses of this compare (the same load)
-        seconds = refit_first_seconds(ctx, base) + (seconds_to(ctx.run, ("chunk",)) or 0.0)
+    if stage == "first":  # the fit timed again here, beside the presses of this compare (the same load)
+        seconds = (refit_first_seconds(ctx, base) + (seconds_to(ctx.run, ("chunk",)) or 0.0)
+                   + float(manifest.counts.get("refine_s", 0.0)))
     live = " (live)" if live_stage(ctx.run) == stage else ""
     return Obtained(ModuleDocState(module), spec.module_bytes, manifest.duration_s, spec.arch,
                     f"{ctx.run.url(stage)}{live}", state_seconds=seconds)
 
 
 def refit_first_seconds(ctx: RunContext, base) -> float:
-    """Seconds the first stage's work takes now (prefill, reconstruction, selection, fit, write into a
+    """Seconds the first stage's fit takes now (prefill, reconstruction, selection, fit, write into a
     scratch folder): the run's manifest timed it under whatever load that minute had; a compare times
-    it again beside kvpress's press, so the ``state_seconds`` of the two are measured side by side."""
+    it again beside kvpress's press, so the ``state_seconds`` of the two are measured side by side. Its
+    end-to-end steps (``first.refine``, minutes where keys are scarce) are not run again: the caller adds
+    the ``refine_s`` the run's first stage recorded."""
     import tempfile
 
     from ..stages.first import first_state
 
     cfg = ctx.config
+    fit_only = cfg.first.model_copy(update={"refine": cfg.first.refine.model_copy(update={"steps": 0})})
     with tempfile.TemporaryDirectory() as scratch:
         t0 = time.perf_counter()
-        first_state(base, ctx.text, cfg.first, cfg.train.module, cfg.targets.recon, cfg.targets.probes,
+        first_state(base, ctx.text, fit_only, cfg.train.module, cfg.targets.recon, cfg.targets.probes,
                     ctx.info.sha256, scratch)
         return time.perf_counter() - t0
 

@@ -40,7 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ..schemas.config import (FIRST_FIT_BY, FIRST_FIT_KEYS, FIRST_KEY_CHOICE, FIRST_SCORE_WINDOW, ModuleConfig, PipelineConfig,
+from ..schemas.config import (FIRST_FIT_BY, FIRST_FIT_KEYS, FIRST_REFINE, FIRST_KEY_CHOICE, FIRST_SCORE_WINDOW, ModuleConfig, PipelineConfig,
                               TrainConfig)
 from ..schemas.presets import PRESET_REGIMES, PRESETS, REGIMES, ConfigError, deep_merge, regime_overlay
 from ..schemas.renamed import renamed
@@ -191,6 +191,8 @@ FIRST_TOP = {"fit": True, "fit_queries": "recon", "score_queries": "recon", "fit
              "score_window": FIRST_SCORE_WINDOW}
 # The first state's selection as it is now (FIRST_SELECT): the systems that must equal it start from this
 FIRST = {**FIRST_TOP, "key_choice": FIRST_KEY_CHOICE, "fit_by": FIRST_FIT_BY}
+# ... and its end-to-end steps where keys are scarce (FIRST_REFINE): the first stage's state as a method
+FIRST_STATE = {**FIRST, **FIRST_REFINE.model_dump()}
 
 # The first state's algorithm (nectar/stages/first.py) at any budget: keys ranked and β, values fitted on the
 # reconstruction queries alone, int4 — from the document alone, so its state s is prefill + fit (opt-in).
@@ -198,10 +200,11 @@ register(System("recon_first@int4", "method", "the first stage's state: recon_fi
                 "reconstruction queries alone (no question about the document), at most "
                 f"{FIRST_FIT_KEYS:,} keys of a head fitted jointly, each key scored by the reconstruction within "
                 f"{FIRST_SCORE_WINDOW:,} tokens of it, a head's keys chosen together for the fit where the state "
-                f"keeps at most {GREEDY_SHARE:.0%} of the document's entries (top-scored above, and β and values made by "
-                "merging every evicted key into its most similar kept one instead of least squares), stored at int4 "
-                "(fp16 scale and zero per 64 values, β bf16)",
-                method="recon_fit", bits=4, options=FIRST, default=False))
+                f"keeps at most {GREEDY_SHARE:.0%} of the document's entries and there refined end to end by "
+                f"{FIRST_REFINE.steps} Adam steps on the KL to the full-context model over the reconstruction (top-scored "
+                "keys above, and β and values made by merging every evicted key into its most similar kept one instead "
+                "of least squares), stored at int4 (fp16 scale and zero per 64 values, β bf16)",
+                method="recon_refine", bits=4, options=FIRST_STATE, default=False))
 # ... keeping each head's top-scored keys at every budget, as the first state did before (issue 38's panel
 # measured this as the first state: docs/quality.md, "A panel of documents")
 register(System("recon_first_top@int4", "method", "recon_first@int4 keeping each head's top-scored keys at every "
@@ -239,12 +242,13 @@ register(System("recon_first_greedy@int4", "method", "recon_first@int4 with each
                 method="recon_fit", bits=4, options={**FIRST_TOP, "key_choice": "greedy"}, default=False))
 
 
-# ... refined end to end: gradient steps on the next-token KL to the full-context model, teacher-forced on the
-# document's own reconstruction spans, the state read as stored (issue 38's lever, nectar/states/recon_refine.py)
-register(System("recon_first_refined@int4", "method", "recon_first@int4 refined by Adam steps on the KL to the "
-                "full-context model over the reconstruction spans, every stored key, value and β read on its grid "
-                "(straight-through); kept only where it lowers the spans' KL", method="recon_refine", bits=4,
-                options=FIRST, default=False))
+# ... refined end to end at every budget: gradient steps on the next-token KL to the full-context model, teacher-forced
+# on the document's own reconstruction spans, the state read as stored (issue 38's lever, nectar/states/recon_refine.py;
+# the first state takes them where keys are scarce, as measured here at 0.5 %)
+register(System("recon_first_refined@int4", "method", "recon_first@int4's fit refined at every budget by Adam steps "
+                "on the KL to the full-context model over the reconstruction spans, every stored key, value and β read on "
+                "its grid (straight-through); kept only where it lowers the spans' KL (recon_first@int4 refines only "
+                "where keys are scarce)", method="recon_refine", bits=4, options=FIRST, default=False))
 
 # ... with every evicted key merged into its most similar kept key (β and the value keep the merged keys' total
 # attention mass and mass-weighted value on the fit queries) instead of β and values fitted by least squares

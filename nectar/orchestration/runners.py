@@ -328,13 +328,28 @@ def run_first(ctx: RunContext, force: bool = False) -> StageOutcome:
         if not cfg.first.enabled:
             return [], {"enabled": False, "live": live_stage(ctx.run)}
         base = load_base(cfg)
+        announced = []
+
+        def go_live(counts: dict, reason: str) -> None:
+            if live_stage(ctx.run) not in (None, "first"):  # the promote stage chose the refined state
+                return
+            state = publish(ctx.run, "first", reason, {"counts": counts})
+            if not announced:
+                announced.append(state)
+                ctx.notify(f"first usable state ready after {time.perf_counter() - start:.1f} s in the first stage "
+                           f"(no LLM server): {state.url}; answer from it now: nectar ask {ctx.run.root} \"…\"")
+            else:
+                ctx.notify(f"first state refined end to end after {time.perf_counter() - start:.1f} s "
+                           f"(span KL {counts.get('span_kl_fit', 0):.4f} -> {counts.get('span_kl_refined', 0):.4f}): "
+                           f"{state.url} is live")
+
         counts = first_state(base, ctx.text, cfg.first, cfg.train.module, cfg.targets.recon, cfg.targets.probes,
-                             ctx.info.sha256, url, max_query_tokens=cfg.targets.max_query_tokens)
-        if live_stage(ctx.run) in (None, "first"):
-            state = publish(ctx.run, "first", "the first state (document alone): self-study has not refined it yet",
-                            {"counts": counts})
-            ctx.notify(f"first usable state ready after {time.perf_counter() - start:.1f} s in the first stage "
-                       f"(no LLM server): {state.url}; answer from it now: nectar ask {ctx.run.root} \"…\"")
+                             ctx.info.sha256, url, max_query_tokens=cfg.targets.max_query_tokens,
+                             on_fitted=lambda fit: go_live(fit, "the first state (document alone), fitted: its "
+                                                                "end-to-end steps are running"),
+                             progress=ctx.progress("first"))
+        go_live(counts, "the first state (document alone): self-study has not refined it yet"
+                + (" (refined end to end on the reconstruction)" if counts.get("refined") else ""))
         counts["live"] = live_stage(ctx.run)
         return list(FIRST_OUTPUTS), counts
 

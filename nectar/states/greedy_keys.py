@@ -50,8 +50,13 @@ def chooses_greedy(key_choice: str, kept: list[list[torch.Tensor]], n: int) -> b
 def scarce(kept: list[list[torch.Tensor]], n: int) -> bool:
     """Whether the ``kept`` [L][Hkv] keys are at most GREEDY_SHARE of an ``n``-token document's entries: where
     ``auto`` chooses keys greedily (key_choice) and fits β and values by least squares (fit_by)."""
-    entries = sum(idx.numel() for heads in kept for idx in heads)
-    return entries <= GREEDY_SHARE * n * sum(len(heads) for heads in kept)
+    return scarce_counts([[idx.numel() for idx in heads] for heads in kept], n)
+
+
+def scarce_counts(pairs: list[list[int]] | tuple, n: int) -> bool:
+    """``scarce`` from the kept count of each (layer, KV head) (a plan's ``quad_head_pairs`` [L][Hkv]): where
+    ``auto`` also refines a fitted state end to end (RefineConfig.when, nectar/states/recon_refine.py)."""
+    return sum(sum(heads) for heads in pairs) <= GREEDY_SHARE * n * sum(len(heads) for heads in pairs)
 
 
 def greedy_kept(kept: list[list[torch.Tensor]], scores: torch.Tensor, queries, doc_kv, scaling: float,

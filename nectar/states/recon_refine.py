@@ -32,15 +32,16 @@ from ..layout import PromptLayout
 from ..modules.builder import NectarModule
 from ..modules.provider import ModuleDocState
 from ..modules.stored import quantize_module_, trained_as_stored
-from ..schemas.config import RefineConfig, SelectionConfig
+from ..schemas.config import FIRST_REFINE_STEPS, RefineConfig, SelectionConfig
 from ..targets.capture import topk_logprobs
 from ..targets.reader import padded_groups
 from ..kl import kl_topk_tail_sum
+from .greedy_keys import scarce_counts
 from .interface import FitInputs, FittedState
 from .recon_fit import ReconFit
 
 REFINE_FIELDS = tuple(RefineConfig.model_fields)  # the method's fields that are not recon_fit's
-REFINE_STEPS = 200  # the method's steps (measured: docs/quality.md, "Refined end to end on the reconstruction")
+REFINE_STEPS = FIRST_REFINE_STEPS  # the method's steps (measured: docs/quality.md, "Refined end to end on the reconstruction")
 
 
 @dataclass(frozen=True)
@@ -133,13 +134,21 @@ def refine(base: BaseLM, module: NectarModule, n: int, batches: list[SpanBatch],
     return module, {"span_kl_fit": before, "span_kl_refined": after}
 
 
+def refines(cfg: RefineConfig, plan, n: int) -> bool:
+    """Whether ``cfg``'s steps run on a state laid out as ``plan`` for an ``n``-token document: any steps, and
+    with ``when: auto`` only where its kept pairs are at most GREEDY_SHARE of the document's entries."""
+    pairs = plan.quad_head_pairs or tuple((p,) * plan.num_kv_heads for p in plan.quad_pairs)  # [L][Hkv] kept
+    return cfg.steps > 0 and (cfg.when == "always" or scarce_counts(pairs, n))
+
+
 def refine_fitted(base: BaseLM, layout: PromptLayout, doc_kv, spans: list[tuple[str, str]], fitted: FittedState,
                   cfg: RefineConfig, seed: int = 0, timings: dict[str, float] | None = None,
                   progress: Callable[[int, int], None] | None = None) -> FittedState:
     """``fitted`` after ``cfg.steps`` steps (the first stage's ``first.refine``, the train stage's
     ``train.end_to_end`` and the method's fit): the teacher's pass, the steps (a progress line every ~1/8 of
-    them; ``progress(done, total)`` after each, a stage's bar) and the span KLs in ``timings``."""
-    if cfg.steps <= 0:
+    them; ``progress(done, total)`` after each, a stage's bar) and the span KLs in ``timings``. None of it where
+    ``cfg.when`` is "auto" and the state's keys are not scarce (``refines``)."""
+    if not refines(cfg, fitted.plan, layout.n):
         return fitted
     timings = {} if timings is None else timings
     started = time.perf_counter()
@@ -171,6 +180,7 @@ class ReconRefine(ReconFit):
     lr: float = RefineConfig().lr  # Adam's rate on the float behind each stored code
     batch_tokens: int = RefineConfig().batch_tokens  # padded tokens a step (count × longest)
     topk: int = RefineConfig().topk  # the teacher's top-K of the KL (+ the tail bucket)
+    when: str = RefineConfig().when  # "always", or "auto": the steps only where keys are scarce (the first state's)
 
     name = "recon_refine"
 

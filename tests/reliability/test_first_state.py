@@ -49,6 +49,30 @@ def test_the_first_state_answers_before_synthesize_starts(tmp_path):
     assert Path(run_dir, *live.LIVE).read_text() == pointer
 
 
+def test_where_keys_are_scarce_the_fit_is_live_before_the_steps_and_the_refined_state_after(tmp_path):
+    """At ~1 % of the entries kept, the first stage publishes its fit (the first answer does not wait for the
+    minutes of end-to-end steps), then the refined state — two content folders, the pointer on the second,
+    which is the stage's module; a re-run is a cache hit that keeps it."""
+    run_dir = str(tmp_path / "run")
+    sets = ("train.module.arch=quadrature", "train.module.rho=0.01", "first.refine.steps=2", "first.refine.batch_tokens=512")
+    out = run_pipeline(run_dir, *sets, stages=("chunk", "first"))
+    assert out.error is None and out.statuses == {"chunk": "done", "first": "done"}
+    ready = [i for i, line in enumerate(out.notices) if line.startswith("first usable state ready")]
+    refined = [i for i, line in enumerate(out.notices) if line.startswith("first state refined end to end")]
+    assert len(ready) == 1 and len(refined) == 1 and ready[0] < refined[0]
+    run = RunDir(run_dir)
+    counts = run.read_manifest("first").counts
+    assert counts["refined"] is True and counts["refine_s"] > 0 and counts["live"] == "first"
+    folders = sorted(p.name for p in Path(run_dir, "state").iterdir() if p.is_dir())
+    assert len(folders) == 2  # the fit, then the refined state (each named by its weights)
+    state = live.read_live(run)
+    assert "refined end to end" in state.reason
+    assert Path(state.url, "module.safetensors").read_bytes() == Path(run_dir, "first", "module.safetensors").read_bytes()
+    pointer = Path(run_dir, *live.LIVE).read_text()
+    again = run_pipeline(run_dir, *sets, stages=("chunk", "first"))
+    assert again.statuses == {"chunk": "cached", "first": "cached"} and Path(run_dir, *live.LIVE).read_text() == pointer
+
+
 def test_a_complete_run_says_which_state_is_live_and_why(complete_run):
     run = RunDir(complete_run)
     promote = run.read_manifest("promote")

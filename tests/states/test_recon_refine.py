@@ -1,5 +1,6 @@
 """recon_refine on the tiny random model: the steps see the state as stored, lower the spans' KL, keep the
 bytes and the masked slots, and fall back to the fit when they do not help."""
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -97,17 +98,69 @@ def test_steps_that_raise_the_spans_kl_fall_back_to_the_fit(tiny):
 
 
 def test_the_compare_system_is_the_first_states_selection_refined():
-    """``recon_first_refined@int4`` = the first stage's selection (``recon_first@int4``) and then the method's
-    steps; the first stage's ``first.refine`` is off by default and, off, not part of its cache key (runs made
-    before keep their first state)."""
+    """``recon_first_refined@int4`` = the first stage's selection and then the method's steps at every budget;
+    ``recon_first@int4`` = the first stage's state: the same steps where keys are scarce (``when: auto``), its
+    default, and part of its cache key (first states made before the default are made again)."""
     from nectar.comparison.systems import SYSTEMS
-    from nectar.schemas.config import FirstConfig, RefineConfig, SelectionConfig
+    from nectar.schemas.config import FIRST_REFINE, FirstConfig, RefineConfig, SelectionConfig
     from nectar.states.recon_refine import REFINE_STEPS
 
     method = ReconRefine.from_select(SelectionConfig()).with_options(**SYSTEMS["recon_first_refined@int4"].options)
     assert method.select == FirstConfig().select and method.refine_config == RefineConfig(steps=REFINE_STEPS)
-    assert FirstConfig().refine.steps == 0 and "refine" not in FirstConfig().cache_dict()
+    first = ReconRefine.from_select(SelectionConfig()).with_options(**SYSTEMS["recon_first@int4"].options)
+    assert SYSTEMS["recon_first@int4"].method == "recon_refine"
+    assert first.select == FirstConfig().select and first.refine_config == FirstConfig().refine == FIRST_REFINE
+    assert FIRST_REFINE == RefineConfig(steps=REFINE_STEPS, when="auto")
+    assert FirstConfig().cache_dict()["refine"]["when"] == "auto"
+    # a partial override changes that setting of the first state's refinement, not of RefineConfig()
+    assert FirstConfig(refine={"steps": 5}).refine == FIRST_REFINE.model_copy(update={"steps": 5})
     assert FirstConfig(refine={"steps": 5}).cache_dict()["refine"]["steps"] == 5
+    assert "when" not in RefineConfig(steps=3).cache_dict()  # train.end_to_end: "always", as before
+
+
+def test_auto_refines_only_where_keys_are_scarce():
+    from nectar.modules.builder import ModulePlan
+    from nectar.schemas.config import RefineConfig
+    from nectar.states.recon_refine import refines
+
+    def plan(pairs):  # 2 layers × 2 KV heads
+        return ModulePlan("quadrature", 2, 2, 8, 100, 0.35, 0.1, (0.1, 0.1), (1,) * 4,
+                          quad_pairs=tuple(max(h) for h in pairs), quad_head_pairs=pairs)
+
+    auto, always = RefineConfig(steps=3, when="auto"), RefineConfig(steps=3)
+    five_percent = ((5, 5), (2, 8))  # 20 of 400 entries: at GREEDY_SHARE
+    over = ((5, 5), (2, 9))  # 21 of 400
+    assert refines(auto, plan(five_percent), 100) and not refines(auto, plan(over), 100)
+    assert refines(always, plan(over), 100) and not refines(RefineConfig(steps=0), plan(five_percent), 100)
+    uniform = ModulePlan("quadrature", 2, 2, 8, 100, 0.35, 0.1, (0.1, 0.1), (1,) * 4, quad_pairs=(5, 5))
+    assert refines(auto, uniform, 100)  # no per-head widths: every head holds its layer's pairs (20 of 400)
+    assert not refines(auto, dataclasses.replace(uniform, quad_pairs=(5, 6)), 100)
+
+
+def test_the_first_stage_publishes_the_fit_then_refines_where_keys_are_scarce(tiny, tmp_path):
+    """At ~5 % of the entries kept the default ``first.refine`` (when: auto) steps after ``on_fitted`` saw the
+    fitted state written and loadable; at ~25 % it does not step and ``on_fitted`` is never called."""
+    from nectar.modules.io import load_module
+    from nectar.schemas.config import FirstConfig, ModuleConfig
+    from nectar.stages.first import first_state
+
+    base, layout, kv, spans = tiny
+    cfg = FirstConfig(refine={"steps": 2, "batch_tokens": 512})
+    seen, done = [], []
+
+    def on_fitted(counts):
+        module, spec = load_module(str(tmp_path / "scarce"), base, "0" * 64)  # on disk, complete, before the steps
+        seen.append((counts, spec.module_bytes, {k: v.clone() for k, v in module.state_dict().items()}))
+
+    counts = first_state(base, DOC, cfg, ModuleConfig(arch="quadrature", rho=0.01, bias=True, bits=4), RECON, PROBES,
+                         "0" * 64, str(tmp_path / "scarce"), on_fitted=on_fitted,
+                         progress=lambda i, total: done.append((i, total)))
+    assert len(seen) == 1 and seen[0][0]["refined"] is False and "refine_s" not in seen[0][0]
+    assert counts["refined"] is True and counts["refine_s"] > 0 and counts["kept_share"] <= 0.05
+    assert seen[0][1] == counts["module_bytes"] and done == [(1, 2), (2, 2)]  # the same bytes; a bar per step
+    plenty = first_state(base, DOC, cfg, ModuleConfig(arch="quadrature", rho=0.05, bias=True, bits=4), RECON, PROBES,
+                         "0" * 64, str(tmp_path / "plenty"), on_fitted=lambda c: seen.append(c))
+    assert plenty["refined"] is False and "refine_s" not in plenty and plenty["kept_share"] > 0.05 and len(seen) == 1
 
 
 def test_the_first_stage_refines_when_asked(tiny, tmp_path):
@@ -117,9 +170,11 @@ def test_the_first_stage_refines_when_asked(tiny, tmp_path):
 
     base, layout, kv, spans = tiny
     module_cfg = ModuleConfig(arch="quadrature", rho=0.05, bias=True, bits=4)
-    plain = first_state(base, DOC, FirstConfig(), module_cfg, RECON, PROBES, "0" * 64, str(tmp_path / "a"))
+    plain = first_state(base, DOC, FirstConfig(refine={"steps": 0}), module_cfg, RECON, PROBES, "0" * 64,
+                        str(tmp_path / "a"))
     assert "refine_s" not in plain
-    counts = first_state(base, DOC, FirstConfig(refine={"steps": 2, "batch_tokens": 512}), module_cfg, RECON, PROBES,
+    counts = first_state(base, DOC, FirstConfig(refine={"steps": 2, "batch_tokens": 512, "when": "always"}), module_cfg,
+                         RECON, PROBES,
                          "0" * 64, str(tmp_path / "b"))
     assert counts["refine_s"] > 0 and counts["span_kl_refined"] >= 0 and counts["module_bytes"] == plain["module_bytes"]
     module, spec = load_module(str(tmp_path / "b"), base, "0" * 64)

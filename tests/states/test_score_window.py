@@ -93,11 +93,12 @@ def test_the_first_state_and_its_compare_system_score_in_the_same_window():
     (the window included); ``recon_first_allscores@int4`` differs from it by the window alone."""
     from nectar.comparison.systems import SYSTEMS
     from nectar.schemas.config import FIRST_SCORE_WINDOW, FirstConfig
+    from nectar.states import get_method
     from nectar.states.recon_fit import ReconFit
 
     first = FirstConfig().select
     assert first.score_window == FIRST_SCORE_WINDOW
-    system = ReconFit.from_select(SelectionConfig()).with_options(**SYSTEMS["recon_first@int4"].options)
+    system = get_method(SYSTEMS["recon_first@int4"].method).with_options(**SYSTEMS["recon_first@int4"].options)
     assert system.select == first
     top = ReconFit.from_select(SelectionConfig()).with_options(**SYSTEMS["recon_first_top@int4"].options)
     # the first state as it was before its key choice and its β/value estimate went "auto"
