@@ -8,8 +8,9 @@ tuned on and down to 200× compression — one command, resumable.
 What each cell (document × budget ρ) compares, on the same held-out document probes:
 
   * the state, ``recon_first@int4``: the FIRST state — the default state's algorithm from the document
-    alone (keys ranked, β and values fitted on the reconstruction queries, int4; no LLM server, no
-    self-study). It is not the default *served* state after self-study (``recon_fit_qa@int4``, then
+    alone (keys ranked, β and values fitted on the reconstruction queries, int4, and where keys are scarce
+    — 0.5 % — refined end to end on the reconstruction; no LLM server, no self-study;
+    ``recon_first_fit@int4`` is its fit alone). It is not the default *served* state after self-study (``recon_fit_qa@int4``, then
     refined), which needs the whole LLM pipeline per document; ``--runs NAME=RUN_DIR`` scores a run's live
     state as well (``run:live``, at the run's own ρ, when that ρ is one of the budgets). ``--states`` adds
     other document-only states (e.g. ``recon_mixed``, the bit-allocation lever).

@@ -205,6 +205,11 @@ register(System("recon_first@int4", "method", "the first stage's state: recon_fi
                 "keys above, and β and values made by merging every evicted key into its most similar kept one instead "
                 "of least squares), stored at int4 (fp16 scale and zero per 64 values, β bf16)",
                 method="recon_refine", bits=4, options=FIRST_STATE, default=False))
+# ... its fit alone, without the end-to-end steps (the first state up to first.refine's auto; what the first stage
+# publishes live while its steps run)
+register(System("recon_first_fit@int4", "method", "recon_first@int4's closed-form fit alone, without its end-to-end "
+                "steps (what the first stage publishes live while they run)", method="recon_fit", bits=4,
+                options=FIRST, default=False))
 # ... keeping each head's top-scored keys at every budget, as the first state did before (issue 38's panel
 # measured this as the first state: docs/quality.md, "A panel of documents")
 register(System("recon_first_top@int4", "method", "recon_first@int4 keeping each head's top-scored keys at every "

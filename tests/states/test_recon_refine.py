@@ -116,6 +116,8 @@ def test_the_compare_system_is_the_first_states_selection_refined():
     assert FirstConfig(refine={"steps": 5}).refine == FIRST_REFINE.model_copy(update={"steps": 5})
     assert FirstConfig(refine={"steps": 5}).cache_dict()["refine"]["steps"] == 5
     assert "when" not in RefineConfig(steps=3).cache_dict()  # train.end_to_end: "always", as before
+    fit = SYSTEMS["recon_first_fit@int4"]  # the fit the first stage publishes before its steps
+    assert fit.method == "recon_fit" and get_method("recon_fit").with_options(**fit.options).select == first.select
 
 
 def test_auto_refines_only_where_keys_are_scarce():
