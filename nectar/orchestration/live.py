@@ -139,8 +139,14 @@ def state_summary(run: RunDir) -> list[str]:
     lines = []
     first_s = seconds_to(run, FIRST_PATH)
     if first_s is not None and run.exists("first", "module.json"):
-        lines.append(f"first usable state: {first_s:.1f} s from the document (chunk → first, no LLM server; "
-                     f"{run.url('first')})")
+        counts = run.read_manifest("first").counts
+        if counts.get("refined") and "usable_s" in counts:  # the fit was live before the steps ended
+            usable_s = first_s - run.read_manifest("first").duration_s + counts["usable_s"]
+            lines.append(f"first usable state: {usable_s:.1f} s from the document (chunk → first's fit, no LLM "
+                         f"server); refined end to end on the reconstruction at {first_s:.1f} s ({run.url('first')})")
+        else:
+            lines.append(f"first usable state: {first_s:.1f} s from the document (chunk → first, no LLM server; "
+                         f"{run.url('first')})")
     refined_s = seconds_to(run, REFINED_PATH)
     if refined_s is not None:
         lines.append(f"refined state: {refined_s:.1f} s (every stage through promote; {run.url('train')})")

@@ -335,7 +335,7 @@ def run_first(ctx: RunContext, force: bool = False) -> StageOutcome:
                 return
             state = publish(ctx.run, "first", reason, {"counts": counts})
             if not announced:
-                announced.append(state)
+                announced.append(round(time.perf_counter() - start, 3))  # the stage's seconds to a live state
                 ctx.notify(f"first usable state ready after {time.perf_counter() - start:.1f} s in the first stage "
                            f"(no LLM server): {state.url}; answer from it now: nectar ask {ctx.run.root} \"…\"")
             else:
@@ -351,6 +351,8 @@ def run_first(ctx: RunContext, force: bool = False) -> StageOutcome:
         go_live(counts, "the first state (document alone): self-study has not refined it yet"
                 + (" (refined end to end on the reconstruction)" if counts.get("refined") else ""))
         counts["live"] = live_stage(ctx.run)
+        if announced:
+            counts["usable_s"] = announced[0]  # the fit went live then (before the steps, where they ran)
         return list(FIRST_OUTPUTS), counts
 
     return run_stage(ctx.run, "first", _stage_config(ctx, "first"), inputs, body, force, **_wiring(ctx, "first"))

@@ -63,6 +63,10 @@ def test_where_keys_are_scarce_the_fit_is_live_before_the_steps_and_the_refined_
     run = RunDir(run_dir)
     counts = run.read_manifest("first").counts
     assert counts["refined"] is True and counts["refine_s"] > 0 and counts["live"] == "first"
+    assert 0 < counts["usable_s"] < run.read_manifest("first").duration_s  # live before the steps ended
+    summary = live.state_summary(run)
+    assert any(line.startswith("first usable state:") and "refined end to end on the reconstruction at" in line
+               for line in summary), summary
     folders = sorted(p.name for p in Path(run_dir, "state").iterdir() if p.is_dir())
     assert len(folders) == 2  # the fit, then the refined state (each named by its weights)
     state = live.read_live(run)
