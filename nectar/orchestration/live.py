@@ -139,9 +139,10 @@ def state_summary(run: RunDir) -> list[str]:
     lines = []
     first_s = seconds_to(run, FIRST_PATH)
     if first_s is not None and run.exists("first", "module.json"):
-        counts = run.read_manifest("first").counts
+        first = run.read_manifest("first")
+        counts = first.counts
         if counts.get("refined") and "usable_s" in counts:  # the fit was live before the steps ended
-            usable_s = first_s - run.read_manifest("first").duration_s + counts["usable_s"]
+            usable_s = first_s - first.duration_s + counts["usable_s"]
             lines.append(f"first usable state: {usable_s:.1f} s from the document (chunk → first's fit, no LLM "
                          f"server); refined end to end on the reconstruction at {first_s:.1f} s ({run.url('first')})")
         else:
