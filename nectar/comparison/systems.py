@@ -201,7 +201,7 @@ register(System("recon_first@int4", "method", "the first stage's state: recon_fi
                 f"{FIRST_FIT_KEYS:,} keys of a head fitted jointly, each key scored by the reconstruction within "
                 f"{FIRST_SCORE_WINDOW:,} tokens of it, a head's keys chosen together for the fit where the state "
                 f"keeps at most {GREEDY_SHARE:.0%} of the document's entries and there refined end to end by "
-                f"{FIRST_REFINE.steps} Adam steps on the KL to the full-context model over the reconstruction (top-scored "
+                f"{FIRST_REFINE.steps} Adam steps (per {FIRST_REFINE.per_tokens:,} tokens past that length) on the KL to the full-context model over the reconstruction (top-scored "
                 "keys above, and β and values made by merging every evicted key into its most similar kept one instead "
                 "of least squares), stored at int4 (fp16 scale and zero per 64 values, β bf16)",
                 method="recon_refine", bits=4, options=FIRST_STATE, default=False))

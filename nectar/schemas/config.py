@@ -303,7 +303,7 @@ class RefineConfig(FrozenConfig):
     """Gradient steps after the closed-form fit (the ``recon_refine`` state method, nectar/states/recon_refine.py):
     Adam on the next-token KL between the full-context model and the model reading the state, teacher-forced on
     the document's reconstruction spans, every stored key, value and β read on its grid. 0 steps: the fit alone.
-    At 0.5 % of the float32 KV's bytes 200 steps lifted seven of the eight panel documents from 66–79 % to 90–94 % (the 8.9k one to 88 %) of the
+    At 0.5 % of the float32 KV's bytes 200 steps lifted seven of the eight panel documents from 66–79 % to 90–94 % (the 8.9k one to 88 %; 90 % at 400 steps) of the
     no-document KL on held-out probes, in 15–40 min on two cores (docs/quality.md, "Refined end to end on the
     reconstruction")."""
 
@@ -315,13 +315,18 @@ class RefineConfig(FrozenConfig):
     # document's (layer, KV head, token) entries — keys scarce, where the fit alone left 66–79 % and the steps
     # gained 15–26 points; above it the fit (merged) is at 97–99 % and the minutes buy ~1 point
     when: Literal["always", "auto"] = added_setting("always")
+    # 0: ``steps`` whatever the document's length; N: ``steps`` for every N tokens of the document when that is
+    # more — the spans grow with the text, so fixed steps cover a long one less often (pydoc:types, 8.9k tokens:
+    # 88.3 % [86.6, 89.8] after 200 steps, 90.3 [88.7, 91.7] after 400: docs/quality.md)
+    per_tokens: int = added_setting(0, ge=0)
 
 
 # the first state's refinement (FirstConfig.refine): 200 steps where keys are scarce (0.5 % of the float32 bytes at
 # int4 keeps ~3.5 % of the entries), none above — the first state is published live from the fit first and the
 # steps then replace it (docs/quality.md, "Refined end to end on the reconstruction")
 FIRST_REFINE_STEPS = 200
-FIRST_REFINE = RefineConfig(steps=FIRST_REFINE_STEPS, when="auto")
+FIRST_REFINE_PER_TOKENS = 4500  # 200 steps up to 4.5k tokens, 397 on pydoc:types' 8.9k (docs/quality.md)
+FIRST_REFINE = RefineConfig(steps=FIRST_REFINE_STEPS, when="auto", per_tokens=FIRST_REFINE_PER_TOKENS)
 
 
 class FirstConfig(FrozenConfig):

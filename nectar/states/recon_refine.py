@@ -18,6 +18,7 @@ on the same text the fit reconstructed (so the whole document holds the state, n
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -141,6 +142,14 @@ def refines(cfg: RefineConfig, plan, n: int) -> bool:
     return cfg.steps > 0 and (cfg.when == "always" or scarce_counts(pairs, n))
 
 
+def step_count(cfg: RefineConfig, n: int) -> int:
+    """The steps ``cfg`` takes on an ``n``-token document: ``steps``, or ``steps`` per ``per_tokens`` tokens when
+    that is more (a longer text has proportionally more spans to cover)."""
+    if cfg.per_tokens <= 0:
+        return cfg.steps
+    return max(cfg.steps, math.ceil(cfg.steps * n / cfg.per_tokens))
+
+
 def refine_fitted(base: BaseLM, layout: PromptLayout, doc_kv, spans: list[tuple[str, str]], fitted: FittedState,
                   cfg: RefineConfig, seed: int = 0, timings: dict[str, float] | None = None,
                   progress: Callable[[int, int], None] | None = None) -> FittedState:
@@ -153,19 +162,20 @@ def refine_fitted(base: BaseLM, layout: PromptLayout, doc_kv, spans: list[tuple[
     timings = {} if timings is None else timings
     started = time.perf_counter()
     batches = with_teacher(base, doc_kv, layout.n, span_batches(layout, spans, cfg.batch_tokens), cfg.topk)
-    every = max(1, cfg.steps // 8)
+    steps = step_count(cfg, layout.n)
+    every = max(1, steps // 8)
 
     def log(step: int, loss: float) -> None:  # long work shows progress: ~8 lines a refinement
         if progress is not None:
-            progress(step + 1, cfg.steps)
-        if step % every == 0 or step == cfg.steps - 1:
-            print(f"refine: step {step + 1}/{cfg.steps}, span KL {loss:.4f} ({time.perf_counter() - started:.0f} s)",
+            progress(step + 1, steps)
+        if step % every == 0 or step == steps - 1:
+            print(f"refine: step {step + 1}/{steps}, span KL {loss:.4f} ({time.perf_counter() - started:.0f} s)",
                   flush=True)
 
-    module, facts = refine(base, fitted.module.to(base.device), layout.n, batches, cfg.steps, cfg.lr, seed, log)
+    module, facts = refine(base, fitted.module.to(base.device), layout.n, batches, steps, cfg.lr, seed, log)
     timings["refine_s"] = timings.get("refine_s", 0.0) + time.perf_counter() - started
-    timings.update(facts)
-    print(f"refine: span KL {facts['span_kl_fit']:.4f} -> {facts['span_kl_refined']:.4f} ({cfg.steps} steps, "
+    timings.update(facts, refine_steps=steps)
+    print(f"refine: span KL {facts['span_kl_fit']:.4f} -> {facts['span_kl_refined']:.4f} ({steps} steps, "
           f"{timings['refine_s']:.0f} s{'' if facts['span_kl_refined'] < facts['span_kl_fit'] else '; kept the fit'})",
           flush=True)
     return FittedState(fitted.name, module, fitted.plan, scores=fitted.scores)
@@ -181,6 +191,7 @@ class ReconRefine(ReconFit):
     batch_tokens: int = RefineConfig().batch_tokens  # padded tokens a step (count × longest)
     topk: int = RefineConfig().topk  # the teacher's top-K of the KL (+ the tail bucket)
     when: str = RefineConfig().when  # "always", or "auto": the steps only where keys are scarce (the first state's)
+    per_tokens: int = RefineConfig().per_tokens  # 0: ``steps``; N: ``steps`` per N document tokens when more
 
     name = "recon_refine"
 

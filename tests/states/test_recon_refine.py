@@ -102,7 +102,7 @@ def test_the_compare_system_is_the_first_states_selection_refined():
     ``recon_first@int4`` = the first stage's state: the same steps where keys are scarce (``when: auto``), its
     default, and part of its cache key (first states made before the default are made again)."""
     from nectar.comparison.systems import SYSTEMS
-    from nectar.schemas.config import FIRST_REFINE, FirstConfig, RefineConfig, SelectionConfig
+    from nectar.schemas.config import FIRST_REFINE, FIRST_REFINE_PER_TOKENS, FirstConfig, RefineConfig, SelectionConfig
     from nectar.states.recon_refine import REFINE_STEPS
 
     method = ReconRefine.from_select(SelectionConfig()).with_options(**SYSTEMS["recon_first_refined@int4"].options)
@@ -110,12 +110,15 @@ def test_the_compare_system_is_the_first_states_selection_refined():
     first = ReconRefine.from_select(SelectionConfig()).with_options(**SYSTEMS["recon_first@int4"].options)
     assert SYSTEMS["recon_first@int4"].method == "recon_refine"
     assert first.select == FirstConfig().select and first.refine_config == FirstConfig().refine == FIRST_REFINE
-    assert FIRST_REFINE == RefineConfig(steps=REFINE_STEPS, when="auto")
+    assert FIRST_REFINE == RefineConfig(steps=REFINE_STEPS, when="auto", per_tokens=FIRST_REFINE_PER_TOKENS)
+    assert first.per_tokens == FIRST_REFINE_PER_TOKENS and method.per_tokens == 0  # every budget: fixed steps
     assert FirstConfig().cache_dict()["refine"]["when"] == "auto"
     # a partial override changes that setting of the first state's refinement, not of RefineConfig()
     assert FirstConfig(refine={"steps": 5}).refine == FIRST_REFINE.model_copy(update={"steps": 5})
     assert FirstConfig(refine={"steps": 5}).cache_dict()["refine"]["steps"] == 5
     assert "when" not in RefineConfig(steps=3).cache_dict()  # train.end_to_end: "always", as before
+    assert "per_tokens" not in RefineConfig(steps=3).cache_dict()  # fixed steps, as before
+    assert FirstConfig().cache_dict()["refine"]["per_tokens"] == FIRST_REFINE_PER_TOKENS
     fit = SYSTEMS["recon_first_fit@int4"]  # the fit the first stage publishes before its steps
     assert fit.method == "recon_fit" and get_method("recon_fit").with_options(**fit.options).select == first.select
 
@@ -137,6 +140,34 @@ def test_auto_refines_only_where_keys_are_scarce():
     uniform = ModulePlan("quadrature", 2, 2, 8, 100, 0.35, 0.1, (0.1, 0.1), (1,) * 4, quad_pairs=(5, 5))
     assert refines(auto, uniform, 100)  # no per-head widths: every head holds its layer's pairs (20 of 400)
     assert not refines(auto, dataclasses.replace(uniform, quad_pairs=(5, 6)), 100)
+
+
+def test_the_steps_grow_with_the_document_only_past_per_tokens():
+    from nectar.schemas.config import FIRST_REFINE, RefineConfig
+    from nectar.states.recon_refine import step_count
+
+    assert [step_count(RefineConfig(steps=200), n) for n in (1528, 8917)] == [200, 200]  # per_tokens 0: fixed
+    scaled = RefineConfig(steps=200, per_tokens=4500)
+    assert [step_count(scaled, n) for n in (10, 1528, 4500, 4501, 5257, 8917)] == [200, 200, 200, 201, 234, 397]
+    assert step_count(FIRST_REFINE, 1528) == FIRST_REFINE.steps  # the default document: its 200 steps
+    with pytest.raises(ValueError):
+        RefineConfig(per_tokens=-1)
+
+
+def test_a_longer_document_than_per_tokens_takes_more_steps(tiny):
+    """refine_fitted runs ``step_count`` steps: per_tokens a third of the tiny document's tokens, 1 step → 3
+    (the bar's total and the counts say so)."""
+    import math
+
+    from nectar.schemas.config import RefineConfig
+    from nectar.states.recon_refine import refine_fitted
+
+    base, layout, kv, spans = tiny
+    cfg = RefineConfig(steps=1, batch_tokens=512, topk=16, per_tokens=math.ceil(layout.n / 3))
+    seen, timings = [], {}
+    refine_fitted(base, layout, kv, list(spans), _fit(tiny, steps=0), cfg, timings=timings,
+                  progress=lambda i, total: seen.append((i, total)))
+    assert seen == [(1, 3), (2, 3), (3, 3)] and timings["refine_steps"] == 3
 
 
 def test_the_first_stage_publishes_the_fit_then_refines_where_keys_are_scarce(tiny, tmp_path):
