@@ -266,6 +266,11 @@ register(System("recon_first_merged@int4", "method", "recon_first@int4's keys wi
 register(System("recon_first_lsq@int4", "method", "recon_first@int4 with β and values fitted by least squares at "
                 "every budget", method="recon_fit", bits=4,
                 options={**FIRST, "fit_by": "least_squares"}, default=False))
+# ... and per (layer, KV head) by whichever of the two does better on a fifth of the fit queries held out of both
+# (select.fit_by "choose", nectar/states/reconstruction.py _HeadFit.choose)
+register(System("recon_first_chosen@int4", "method", "recon_first@int4 with each head's β and values by least "
+                "squares or by merging, whichever does better on reconstruction queries held out of both", method="recon_fit",
+                bits=4, options={**FIRST, "fit_by": "choose"}, default=False))
 
 # ... fitted as recon_first@int4 is, with the fit's ridge pulling β and the values toward that merge instead of
 # β = 0 and the kept keys' own values (select.fit_prior "merged")

@@ -251,8 +251,10 @@ class SelectionConfig(FrozenConfig):
     # how β and the values are made (with fit): least squares on the fit queries' attention ("least_squares",
     # states/matching_fit.py), every evicted key merged into its most similar kept one ("merge": β and the
     # value carry their total mass and mass-weighted value, states/merging.py), or merged unless keys are
-    # scarce ("auto": least squares where the state keeps at most GREEDY_SHARE of the document's entries)
-    fit_by: Literal["least_squares", "merge", "auto"] = added_setting("least_squares")
+    # scarce ("auto": least squares where the state keeps at most GREEDY_SHARE of the document's entries), or
+    # per (layer, KV head) whichever of the two does better on a fifth of the fit queries held out of both
+    # ("choose", states/reconstruction.py _HeadFit.choose)
+    fit_by: Literal["least_squares", "merge", "auto", "choose"] = added_setting("least_squares")
 
     @model_validator(mode="after")
     def _greedy_needs_fit(self) -> "SelectionConfig":

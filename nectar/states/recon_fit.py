@@ -80,7 +80,7 @@ def fit_recon(base: BaseLM, layout: PromptLayout, document: str, doc_kv, targets
     merge = select.fit_by == "merge" or (select.fit_by == "auto" and not scarce(s.kept, layout.n))
     module = build_selected(s.plan, s.kept, doc_kv, s.queries, select.quant_aware, timings=timings,
                             fit_keys=select.fit_keys, value_rounding=select.value_rounding, fit_prior=select.fit_prior,
-                            merge=merge)
+                            merge=merge, choose=select.fit_by == "choose")
     return FittedState(ReconFit.name, module, s.plan, scores=s.scores)  # scores [L, Hkv, n]: what the allocation ranked
 
 
@@ -178,8 +178,9 @@ class ReconFit(StateMethod):
     # the evicted keys merged into the kept ones ("merged", merging.py)
     fit_prior: Literal["kept", "merged"] = "kept"
     # β and values by least squares, by merging the evicted keys into the kept ones (merging.py), or merged
-    # unless the state keeps at most GREEDY_SHARE of the document's entries ("auto")
-    fit_by: Literal["least_squares", "merge", "auto"] = "least_squares"
+    # unless the state keeps at most GREEDY_SHARE of the document's entries ("auto"), or per (layer, KV head)
+    # whichever of the two does better on fit queries held out of both ("choose", reconstruction.py _HeadFit.choose)
+    fit_by: Literal["least_squares", "merge", "auto", "choose"] = "least_squares"
 
     name = "recon_fit"
     READS = frozenset({"doc_kv", "document", "train_queries"})

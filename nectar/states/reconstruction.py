@@ -338,7 +338,7 @@ def selection_plan(plan: ModulePlan, kept: list[list[torch.Tensor]], fit: bool) 
 def build_selected(plan: ModulePlan, kept: list[list[torch.Tensor]], doc_kv, queries=None,
                    quant_aware: bool = True, timings: dict[str, float] | None = None,
                    fit_keys: int | None = None, value_rounding: str = "nearest", fit_prior: str = "kept",
-                   merge: bool = False) -> NectarModule:
+                   merge: bool = False, choose: bool = False) -> NectarModule:
     """The module of the kept keys: exact KV (β = 0), or with fitted β and values when ``queries``
     (an object with q [T, L, Hq, d], alpha [T, L, Hq], A [T, L, Hq, d]) are given.
 
@@ -353,7 +353,9 @@ def build_selected(plan: ModulePlan, kept: list[list[torch.Tensor]], doc_kv, que
     is rounded to its nearest point when the module is stored. ``fit_prior`` "merged": the fit's ridge pulls
     β and the values toward the evicted keys merged into the kept ones (merging.py) instead of β = 0 and
     the kept keys' own values (heads over ``fit_keys`` keep the plain prior). ``merge``: β and the values
-    are the merge itself, no least squares (``select.fit_by``)."""
+    are the merge itself, no least squares (``select.fit_by``). ``choose``: each head's least squares or merge,
+    whichever holds up better on the fit queries it was not fitted on (``_HeadFit.choose``; ``fit_by: choose``),
+    the share of heads merged added to ``timings`` as ``fit_merged_share``."""
     timings = {} if timings is None else timings
     module = build_module(plan)
     hkv, bits, group = plan.num_kv_heads, plan.bits, plan.quant_group
@@ -383,15 +385,22 @@ def build_selected(plan: ModulePlan, kept: list[list[torch.Tensor]], doc_kv, que
             Wh = rows(keys[h, idx])  # [c, d]
             W[h, :c], Z[h, :c], B[h, :c] = Wh, values[h, idx], 0.0
             if queries is not None:
-                merged_from = (keys[h], values[h], idx) if fit_prior == "merged" or merge else None
-                heads.append(_HeadFit(layer, h, q[:, h], alpha[:, h], A[:, h], Wh, values[h, idx], merged_from))
+                merged_from = (keys[h], values[h], idx) if fit_prior == "merged" or merge or choose else None
+                heads.append(_HeadFit(layer, h, q[:, h], alpha[:, h], A[:, h], Wh, values[h, idx], merged_from,
+                                      prior_merged=fit_prior == "merged"))
         pairs.append((W, Z, B))
     if heads:
         start = time.perf_counter()
-        fitted = run_per_head(lambda t: t.merge(plan.scaling) if merge else t.fit(plan.scaling, log_mass, fit_keys, grid),
-                              heads, cost=lambda t: min(t.keys.shape[0], fit_keys or t.keys.shape[0]))
+        def solve(t: _HeadFit):
+            if choose:
+                return t.choose(plan.scaling, log_mass, rows, fit_keys, grid)
+            return t.merge(plan.scaling) if merge else t.fit(plan.scaling, log_mass, fit_keys, grid)
+
+        fitted = run_per_head(solve, heads, cost=lambda t: min(t.keys.shape[0], fit_keys or t.keys.shape[0]))
+        if choose:
+            timings["fit_merged_share"] = sum(f[4] for f in fitted) / len(fitted)
         wall = time.perf_counter() - start
-        for t, (beta, Zh, mass_s, values_s) in zip(heads, fitted):
+        for t, (beta, Zh, *_) in zip(heads, fitted):
             _, Z, B = pairs[t.layer]
             c = t.keys.shape[0]
             Z[t.head, :c], B[t.head, :c] = Zh, beta
@@ -416,9 +425,11 @@ class _HeadFit:
     A: torch.Tensor  # [T·g, d]
     keys: torch.Tensor  # [c, d]
     values: torch.Tensor  # [c, d]
-    # select.fit_prior "merged": the head's document keys and values [n, d] and the kept indices [c], whose
-    # merge (merging.py) is the ridge's prior for β and the values; None: β = 0 and the kept values
+    # the head's document keys and values [n, d] and the kept indices [c], which the merge (merging.py) reads;
+    # None where nothing merges
     merged_from: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # select.fit_prior "merged": the merge is the ridge's prior for β and the values; else β = 0 and the kept values
+    prior_merged: bool = False
 
     def fit(self, scaling: float, log_mass, cap: int | None = None, grid: tuple[int, int] | None = None
             ) -> tuple[torch.Tensor, torch.Tensor, float, float]:
@@ -430,7 +441,7 @@ class _HeadFit:
         capped = capped_masses(self.q, self.alpha, self.keys, self.values, scaling, cap)
         prior_w, prior = None, self.values
         if capped is None:
-            if self.merged_from is not None:  # the merge as the ridge's prior (a capped head keeps the plain one)
+            if self.prior_merged:  # the merge as the ridge's prior (a capped head keeps the plain one)
                 merged_beta, prior = merge_head(self.q, self.alpha, *self.merged_from, self.keys, scaling)
                 prior_w = merged_beta.double().exp()
             mass = attention_probs(self.q, self.alpha, self.keys, scaling)  # [T·g, c]
@@ -448,6 +459,47 @@ class _HeadFit:
         start = time.perf_counter()
         beta, Z = merge_head(self.q, self.alpha, *self.merged_from, self.keys, scaling)
         return beta, Z, time.perf_counter() - start, 0.0
+
+    def choose(self, scaling: float, log_mass, stored, cap: int | None = None, grid: tuple[int, int] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, float, float, bool]:
+        """``fit``'s or ``merge``'s (β, values, seconds, seconds), whichever does better on queries it did not see,
+        and whether that is the merge: both are made from the fit queries less every HELD_OUT_EVERY-th block of
+        HELD_OUT_BLOCK rows (neighbouring tokens' queries are alike, so single held-out rows would flatter least
+        squares, which follows its queries closely), scored on the held-out blocks as stored (β by ``log_mass``,
+        the values by ``stored``) by ``held_out_error``, and the winner is made again from every query.
+
+        Why per head: least squares holds up where a head keeps few keys for its queries and overfits where it
+        keeps many (docs/quality.md, "Merging evicted keys instead of fitting"); at 1 % of the bytes the two trade
+        places by document, so the data of each head decide, not one threshold for the state."""
+        held = held_out_rows(self.q.shape[0])
+        if not held.any():  # too few queries to hold any out: least squares, as below the merge's share
+            return (*self.fit(scaling, log_mass, cap, grid), False)
+        seen, unseen = self.rows(~held), self.rows(held)
+        errors = [unseen.held_out_error(scaling, log_mass(beta), stored(Z))
+                  for beta, Z, *_ in (seen.fit(scaling, log_mass, cap, grid), seen.merge(scaling))]
+        merged = errors[1] <= errors[0]
+        return (*(self.merge(scaling) if merged else self.fit(scaling, log_mass, cap, grid)), merged)
+
+    def rows(self, mask: torch.Tensor) -> "_HeadFit":
+        """This head with only the fit queries ``mask`` [T·g] bool selects."""
+        return dataclasses.replace(self, q=self.q[mask], alpha=self.alpha[mask], A=self.A[mask])
+
+    def held_out_error(self, scaling: float, beta: torch.Tensor, Z: torch.Tensor) -> float:
+        """Σ_q ‖M_q·o_q − A_q‖² / Σ_q ‖A_q‖² of the state (the kept keys, β [c], values Z [c, d]) on these queries:
+        M_q its attention mass relative to the document's (1 exactly), o_q its output, A_q the document's — the
+        document's share of the attention numerator, so a wrong mass counts as well as a wrong output."""
+        mass = attention_probs(self.q, self.alpha, self.keys, scaling).double() * beta.double().exp()  # [N, c]
+        return float(((mass @ Z.double() - self.A.double()) ** 2).sum() / (self.A.double() ** 2).sum().clamp_min(1e-30))
+
+
+HELD_OUT_BLOCK = 96  # fit-query rows a held-out block (32 tokens' queries at g = 3)
+HELD_OUT_EVERY = 5  # every 5th block held out: a fifth of the queries
+
+
+def held_out_rows(n: int) -> torch.Tensor:
+    """[n] bool: the rows of every HELD_OUT_EVERY-th block of HELD_OUT_BLOCK (the blocks at 4, 9, 14, …, so
+    fewer than 5 blocks hold none out)."""
+    return (torch.arange(n) // HELD_OUT_BLOCK) % HELD_OUT_EVERY == HELD_OUT_EVERY - 1
 
 
 def run_per_head(fn, tasks: list, cost) -> list:
