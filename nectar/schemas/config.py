@@ -250,10 +250,10 @@ class SelectionConfig(FrozenConfig):
     fit_prior: Literal["kept", "merged"] = added_setting("kept")
     # how β and the values are made (with fit): least squares on the fit queries' attention ("least_squares",
     # states/matching_fit.py), every evicted key merged into its most similar kept one ("merge": β and the
-    # value carry their total mass and mass-weighted value, states/merging.py), or merged unless keys are
-    # scarce ("auto": least squares where the state keeps at most GREEDY_SHARE of the document's entries), or
-    # per (layer, KV head) whichever of the two does better on a fifth of the fit queries held out of both
-    # ("choose", states/reconstruction.py _HeadFit.choose)
+    # value carry their total mass and mass-weighted value, states/merging.py), per (layer, KV head) whichever
+    # of the two does better on a fifth of the fit queries held out of both ("choose", states/reconstruction.py
+    # _HeadFit.choose), or least squares where keys are scarce and chosen above ("auto": least squares where the
+    # state keeps at most GREEDY_SHARE of the document's entries)
     fit_by: Literal["least_squares", "merge", "auto", "choose"] = added_setting("least_squares")
 
     @model_validator(mode="after")
@@ -291,10 +291,11 @@ FIRST_SCORE_WINDOW = 1024
 # 0 to +10 points of probe KL at 0.5 % (+2 to +6 on the withheld probes, never below) and −1.7 to +3.2 at 1 %
 # (6.9 % kept), nothing from 2 % up (docs/quality.md, "Keys chosen together for the fit")
 FIRST_KEY_CHOICE = "auto"
-# the first state's β and values (SelectionConfig.fit_by): merged where keys are plentiful, least squares where
-# scarce — merging gained +0.5 to +1.6 points over least squares at 5 % of the float32 bytes on all five documents
-# measured (above KVzip+int8 where least squares tied it), was even on average at 1 % and 10 points behind at
-# 0.5 % (docs/quality.md "Merging evicted keys instead of fitting")
+# the first state's β and values (SelectionConfig.fit_by): least squares where keys are scarce, else each head's
+# least squares or merge by held-out fit queries — merging gained +0.5 to +1.6 points over least squares at 5 % of
+# the float32 bytes on all five documents measured, traded places with it by document at 1 % (−5.3 to +2.7) and
+# was 10 points behind at 0.5 %; the head-by-head choice gained −0.5 to +7.4 over merging at 1 % on eight
+# documents (docs/quality.md "Merging evicted keys instead of fitting", "Least squares or merge, head by head")
 FIRST_FIT_BY = "auto"
 # the first state's selection: a ``--set first.select.KEY=VALUE`` changes KEY of THIS, not of SelectionConfig()
 FIRST_SELECT = SelectionConfig(fit_queries="recon", score_queries="recon", fit_keys=FIRST_FIT_KEYS,

@@ -77,10 +77,11 @@ def fit_recon(base: BaseLM, layout: PromptLayout, document: str, doc_kv, targets
     (recon_s, allocate_s and build_selected's fit_mass_s / fit_values_s), for the first state's profile."""
     timings = {} if timings is None else timings
     s = select_recon(base, layout, document, doc_kv, targets, plan, select, spans, seed, timings)
-    merge = select.fit_by == "merge" or (select.fit_by == "auto" and not scarce(s.kept, layout.n))
+    # "auto": least squares where keys are scarce (the joint solve carries the state), else each head's choice
+    choose = select.fit_by == "choose" or (select.fit_by == "auto" and not scarce(s.kept, layout.n))
     module = build_selected(s.plan, s.kept, doc_kv, s.queries, select.quant_aware, timings=timings,
                             fit_keys=select.fit_keys, value_rounding=select.value_rounding, fit_prior=select.fit_prior,
-                            merge=merge, choose=select.fit_by == "choose")
+                            merge=select.fit_by == "merge", choose=choose)
     return FittedState(ReconFit.name, module, s.plan, scores=s.scores)  # scores [L, Hkv, n]: what the allocation ranked
 
 
@@ -177,9 +178,10 @@ class ReconFit(StateMethod):
     # what the fit's ridge pulls β and the values toward: β = 0 and the kept keys' own values ("kept"), or
     # the evicted keys merged into the kept ones ("merged", merging.py)
     fit_prior: Literal["kept", "merged"] = "kept"
-    # β and values by least squares, by merging the evicted keys into the kept ones (merging.py), or merged
-    # unless the state keeps at most GREEDY_SHARE of the document's entries ("auto"), or per (layer, KV head)
-    # whichever of the two does better on fit queries held out of both ("choose", reconstruction.py _HeadFit.choose)
+    # β and values by least squares, by merging the evicted keys into the kept ones (merging.py), per (layer,
+    # KV head) whichever of the two does better on fit queries held out of both ("choose", reconstruction.py
+    # _HeadFit.choose), or least squares where the state keeps at most GREEDY_SHARE of the document's entries and
+    # chosen above ("auto")
     fit_by: Literal["least_squares", "merge", "auto", "choose"] = "least_squares"
 
     name = "recon_fit"

@@ -15,7 +15,7 @@ def test_registry_holds_the_issue_systems_once_each():
                              "evict", "attention_matching", "attention_matching_kv", "recon_select", "recon_select_layer",
                              "recon_select_mean", "recon_fit", "recon_fit_layer", "recon_fit_recon",
                              "recon_fit_nosink", "recon_fit_template", "recon_fit_qa", "recon_train", "recon_train_recon",
-                             "recon_distill", *quantized, *recon_quantized, "recon_first@int4", "recon_first_fit@int4", "recon_first_top@int4", "recon_first_allkeys@int4", "recon_first_allscores@int4", "recon_first@int8", "recon_first_gptq@int4", "recon_first_greedy@int4", "recon_first_refined@int4", "recon_first_merged@int4", "recon_first_lsq@int4", "recon_first_fitmerged@int4", "recon_mixed",
+                             "recon_distill", *quantized, *recon_quantized, "recon_first@int4", "recon_first_fit@int4", "recon_first_top@int4", "recon_first_allkeys@int4", "recon_first_allscores@int4", "recon_first@int8", "recon_first_gptq@int4", "recon_first_greedy@int4", "recon_first_refined@int4", "recon_first_merged@int4", "recon_first_lsq@int4", "recon_first_chosen@int4", "recon_first_fitmerged@int4", "recon_mixed",
                                  "recon_train_qa@int4", "recon_train_qa_fast@int4", "recon_train_qa_float@int4", "recon_distill_qa@int4",
                              "attention_matching_kv@int8", "attention_matching_kv@int4",
                              "vllm:trained", "vllm:attention_matching_kv@int8", "vllm:attention_matching_kv@int4"]

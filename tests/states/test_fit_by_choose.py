@@ -111,3 +111,18 @@ def test_the_chosen_state_is_head_by_head_least_squares_or_the_merge(tiny, bits)
     select = SelectionConfig(fit=True, **FIRST, fit_by="choose")
     fit_recon(base, layout, DOC, kv, None, dataclasses.replace(plan, bits=bits), select, list(spans), timings=timings)
     assert timings["fit_merged_share"] == pytest.approx(sum(picks) / len(picks))
+
+
+def test_auto_is_least_squares_where_keys_are_scarce_and_chosen_above(tiny):
+    """fit_by "auto" = least squares where the state keeps at most GREEDY_SHARE of the entries, else "choose"."""
+    from nectar.states.greedy_keys import GREEDY_SHARE
+
+    base, layout, kv, spans = tiny
+    inputs = FitInputs(kv, None, base=base, layout=layout, document=DOC, spans=spans, bits=32)
+    for rho, like in ((0.04, "least_squares"), (0.25, "choose")):
+        plan = plan_module("quadrature", base.num_layers, base.num_kv_heads, base.head_dim, layout.n, base.scaling, rho)
+        auto, same = (get_method("recon_fit").with_options(**FIRST, fit_by=f).fit(plan, inputs) for f in ("auto", like))
+        share = sum(auto.plan.quad_head_pairs[0]) / (layout.n * base.num_kv_heads)
+        assert (share <= GREEDY_SHARE) == (like == "least_squares"), share
+        for a, b in zip(auto.module.layers, same.module.layers):
+            assert torch.equal(a.Z, b.Z) and torch.equal(a.beta, b.beta)

@@ -1,6 +1,6 @@
 """Merging (select.fit_by "merge"): evicted keys merged into kept ones keep the fit queries' total attention mass
 and mass-weighted value; on the tiny model recon_fit merging holds least squares' keys in its bytes; "auto"
-merges unless keys are scarce."""
+chooses head by head unless keys are scarce (tests/states/test_fit_by_choose.py)."""
 import sys
 from pathlib import Path
 
@@ -101,21 +101,6 @@ def _scaled_mass(q, alpha, keys, beta, scaling):
 def test_merging_needs_the_fit_queries():
     with pytest.raises(ValueError, match="set select.fit=true or fit_by=least_squares"):
         SelectionConfig(fit=False, fit_by="merge")
-
-
-def test_auto_merges_unless_keys_are_scarce(tiny):
-    """fit_by "auto" = least squares where the state keeps at most GREEDY_SHARE of the entries, else the merge."""
-    from nectar.states.greedy_keys import GREEDY_SHARE
-
-    base, layout, kv, spans = tiny
-    inputs = FitInputs(kv, None, base=base, layout=layout, document=DOC, spans=spans, bits=32)
-    for rho, like in ((0.04, "least_squares"), (0.25, "merge")):
-        plan = plan_module("quadrature", base.num_layers, base.num_kv_heads, base.head_dim, layout.n, base.scaling, rho)
-        auto, same = (get_method("recon_fit").with_options(**FIRST, fit_by=f).fit(plan, inputs) for f in ("auto", like))
-        share = sum(auto.plan.quad_head_pairs[0]) / (layout.n * base.num_kv_heads)
-        assert (share <= GREEDY_SHARE) == (like == "least_squares"), share
-        for a, b in zip(auto.module.layers, same.module.layers):
-            assert torch.equal(a.Z, b.Z) and torch.equal(a.beta, b.beta)
 
 
 def test_the_fits_ridge_pulls_toward_its_prior_where_no_query_decides():
