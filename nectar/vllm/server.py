@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..ports import free_port, port_free
+from .. import shutdown
 from ..shutdown import group_alive
 from .venv import VLLMError, interpreter, venv_dir
 
@@ -175,6 +176,7 @@ class VLLMServer:
         self.last_exit: int | None = None
         self._log_offset = 0  # where this start's lines begin in the log
         self._restart_lock = threading.Lock()
+        self._exit_cleanup: shutdown.Registration | None = None
 
     @property
     def url(self) -> str:
@@ -204,7 +206,11 @@ class VLLMServer:
             log.write(f"$ {python} {' '.join(self.spec.args(port))}\n".encode())
             log.flush()
             self.proc = subprocess.Popen([python, *self.spec.args(port)], stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+                                         stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+                                         preexec_fn=shutdown.die_with_parent)
+        # a forced exit (the stop deadline, a second Ctrl-C) skips atexit and may cut a stop() short while it
+        # waits on a server deaf to SIGTERM (one still compiling): kill its group then, whatever stop() was at
+        self._exit_cleanup = shutdown.register(_group_killer(self.proc), f"vLLM server ({self.log_path})")
         self.port = port
         with _LIVE_LOCK:
             _LIVE.add(self)
@@ -330,6 +336,7 @@ class VLLMServer:
         core and workers outlive the API server by a moment), SIGKILL what is left after ``grace_s``.
         Idempotent."""
         proc, self.proc = self.proc, None
+        cleanup, self._exit_cleanup = self._exit_cleanup, None
         with _LIVE_LOCK:
             _LIVE.discard(self)
         if proc is None:
@@ -348,12 +355,32 @@ class VLLMServer:
             time.sleep(0.1)
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=5)
+        if cleanup is not None:
+            cleanup.remove()
 
     def describe(self) -> dict:
         return {"backend": "vllm", "server_version": self.version, "model": self.spec.model,
                 "served_name": self.spec.served_name, "dtype": self.spec.dtype,
                 "max_model_len": self.spec.max_model_len, "url": self.url, "startup_s": self.startup_s,
                 "compile": self.compile_info, "restarts": list(self.restarts), "log": str(self.log_path)}
+
+
+def _group_killer(proc: subprocess.Popen):
+    """A shutdown cleanup: on a fast (forced) exit SIGKILL the server's process group at once; on a normal exit
+    the same once a SIGTERM has had PROCESS_GRACE_S (``stop()`` normally got there first: then nothing is left)."""
+    pgid = proc.pid
+
+    def cleanup(fast: bool) -> None:
+        if not fast:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGTERM)
+            deadline = time.monotonic() + shutdown.PROCESS_GRACE_S
+            while group_alive(pgid) and time.monotonic() < deadline:
+                proc.poll()  # reap the leader, or the group stays "alive" as a zombie
+                time.sleep(0.1)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+    return cleanup
 
 
 def stop_all() -> None:

@@ -4,7 +4,7 @@ Started by ``VLLMServer`` in place of vLLM (``python=`` a wrapper that runs this
 arguments); it answers /health, /version, /v1/models and /v1/chat/completions like vLLM's OpenAI
 server. ``FAKE_VLLM_PLAN`` says, per start, after how many answers this start dies ("2,-1": the
 first start dies after 2 answers, the second never); the starts are counted in ``FAKE_VLLM_STATE``
-(a file). Dying prints what vLLM prints when its engine dies, then exits with code 1. ``-2`` in the
+(a file); ``-3`` never answers and ignores SIGTERM (a start stuck compiling). Dying prints what vLLM prints when its engine dies, then exits with code 1. ``-2`` in the
 plan exits at once, before /health ever answers (a start that fails); with ``FAKE_VLLM_COMPILE_FAILS``
 set, every compiled start (no ``--enforce-eager``) does.
 
@@ -35,6 +35,14 @@ def main(argv: list[str]) -> None:
     if os.environ.get("FAKE_VLLM_COMPILE_FAILS") and "--enforce-eager" not in argv:
         die_after = -2  # FAILURE INJECTION: a compiled start never comes up
     print(f"fake vllm start {start} on port {port}, dies after {die_after}", flush=True)
+    if die_after == -3:  # FAILURE INJECTION: a start that hangs (compiling) and ignores SIGTERM, as vLLM's may
+        import signal
+        import time
+
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        print("fake vllm: compiling, deaf to SIGTERM", flush=True)
+        while True:
+            time.sleep(1)
     if die_after == -2:
         print("RuntimeError: Engine core initialization failed.", flush=True)
         sys.exit(1)

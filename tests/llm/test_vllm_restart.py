@@ -157,3 +157,56 @@ def test_a_pooled_server_that_died_between_stages_is_restarted_on_record(tmp_pat
         assert "died between stages" in capsys.readouterr().err
     finally:
         pool.stop()
+
+
+SIGTERMED = """
+import sys
+from pathlib import Path
+from nectar import shutdown
+from nectar.vllm.server import ServerSpec, VLLMServer
+
+wrapper, log = sys.argv[1], Path(sys.argv[2])
+with shutdown.handling_signals(forced_line=lambda stop, stage: f"stopped during {stage}", grace_s=1.0):
+    try:
+        VLLMServer(ServerSpec(model="fake"), log, python=wrapper, startup_timeout_s=600).start()
+    except shutdown.Interrupted as stop:
+        shutdown.exit_now(stop.exit_code)
+"""
+
+
+def test_a_fake_server_deaf_to_sigterm_while_starting_dies_with_the_command_sigterm_ends(tmp_path):
+    """FAILURE INJECTION (a FAKE vLLM that hangs "compiling" and ignores SIGTERM, as a real start was seen
+    to): SIGTERM to the command while it waits for /health ends it within its grace, and the server's
+    process group with it — none left behind to hold the cores and the port."""
+    import signal
+    import subprocess
+    import time
+
+    import psutil
+
+    wrapper = tmp_path / "fake-vllm-python"
+    wrapper.write_text(f"#!/bin/sh\nexec {sys.executable} {FAKE} \"$@\"\n")
+    wrapper.chmod(0o755)
+    log = tmp_path / "vllm-0.log"
+    env = {**os.environ, "FAKE_VLLM_PLAN": "-3", "FAKE_VLLM_STATE": str(tmp_path / "starts"),
+           "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    proc = subprocess.Popen([sys.executable, "-c", SIGTERMED, str(wrapper), str(log)], env=env, start_new_session=True)
+    server = None
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and "deaf to SIGTERM" not in (log.read_text() if log.exists() else ""):
+            time.sleep(0.1)
+        assert "deaf to SIGTERM" in log.read_text()
+        server = next(p for p in psutil.Process(proc.pid).children(recursive=True) if str(FAKE) in " ".join(p.cmdline()))
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 143
+        with pytest.raises(psutil.NoSuchProcess):
+            psutil.Process(server.pid).wait(timeout=10)
+            psutil.Process(server.pid)  # reaped and gone, not a zombie someone else must wait for
+    finally:
+        for pid in (proc.pid, server.pid if server else None):
+            if pid:
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
