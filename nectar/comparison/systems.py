@@ -257,8 +257,8 @@ register(System("recon_first_refined@int4", "method", "recon_first@int4's fit re
 
 # ... with every evicted key merged into its most similar kept key (β and the value keep the merged keys' total
 # attention mass and mass-weighted value on the fit queries) instead of β and values fitted by least squares
-# (issue 38's lever, select.fit_by "merge", nectar/states/merging.py; the first state's heads merge where that
-# holds up better on held-out fit queries, unless keys are scarce: fit_by "auto")
+# (issue 38's lever, select.fit_by "merge", nectar/states/merging.py; the first state's whole state where it keeps
+# over a quarter of the entries, each head where that holds up better on held-out fit queries below: fit_by "auto")
 register(System("recon_first_merged@int4", "method", "recon_first@int4's keys with every evicted key merged into "
                 "its most similar kept key (β and value keep their total attention mass and mass-weighted value on "
                 "the reconstruction queries) instead of the least-squares fit", method="recon_fit", bits=4,
@@ -269,7 +269,7 @@ register(System("recon_first_lsq@int4", "method", "recon_first@int4 with β and 
                 options={**FIRST, "fit_by": "least_squares"}, default=False))
 # ... and per (layer, KV head) by whichever of the two does better on a fifth of the fit queries held out of both
 # (select.fit_by "choose", nectar/states/reconstruction.py _HeadFit.choose) at every budget: what recon_first@int4
-# does wherever keys are not scarce, least squares below
+# does between the scarce share and a quarter of the entries (1–3.5 % of the float32 bytes at int4)
 register(System("recon_first_chosen@int4", "method", "recon_first@int4 with each head's β and values by least "
                 "squares or by merging, whichever does better on reconstruction queries held out of both", method="recon_fit",
                 bits=4, options={**FIRST, "fit_by": "choose"}, default=False))

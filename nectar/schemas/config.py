@@ -252,8 +252,8 @@ class SelectionConfig(FrozenConfig):
     # states/matching_fit.py), every evicted key merged into its most similar kept one ("merge": β and the
     # value carry their total mass and mass-weighted value, states/merging.py), per (layer, KV head) whichever
     # of the two does better on a fifth of the fit queries held out of both ("choose", states/reconstruction.py
-    # _HeadFit.choose), or least squares where keys are scarce and chosen above ("auto": least squares where the
-    # state keeps at most GREEDY_SHARE of the document's entries)
+    # _HeadFit.choose), or by the share of the document's entries the state keeps ("auto": least squares up to
+    # GREEDY_SHARE, chosen up to CHOOSE_SHARE, merged above; states/recon_fit.py auto_fit_by)
     fit_by: Literal["least_squares", "merge", "auto", "choose"] = added_setting("least_squares")
 
     @model_validator(mode="after")
@@ -291,11 +291,11 @@ FIRST_SCORE_WINDOW = 1024
 # 0 to +10 points of probe KL at 0.5 % (+2 to +6 on the withheld probes, never below) and −1.7 to +3.2 at 1 %
 # (6.9 % kept), nothing from 2 % up (docs/quality.md, "Keys chosen together for the fit")
 FIRST_KEY_CHOICE = "auto"
-# the first state's β and values (SelectionConfig.fit_by): least squares where keys are scarce, else each head's
-# least squares or merge by held-out fit queries — merging gained +0.5 to +1.6 points over least squares at 5 % of
+# the first state's β and values (SelectionConfig.fit_by): least squares where keys are scarce, each head's least
+# squares or merge by held-out fit queries up to a quarter of the entries, merged above — merging gained +0.5 to +1.6 points over least squares at 5 % of
 # the float32 bytes on all five documents measured, traded places with it by document at 1 % (−5.3 to +2.7) and
 # was 10 points behind at 0.5 %; the head-by-head choice gained −0.5 to +7.4 over merging at 1 % on eight
-# documents (docs/quality.md "Merging evicted keys instead of fitting", "Least squares or merge, head by head")
+# documents, +0.1 to +1.6 at 2 % and +0.0 to +0.1 at 5 % (for 1.3–2× the fit's time) on four (docs/quality.md "Merging evicted keys instead of fitting", "Least squares or merge, head by head")
 FIRST_FIT_BY = "auto"
 # the first state's selection: a ``--set first.select.KEY=VALUE`` changes KEY of THIS, not of SelectionConfig()
 FIRST_SELECT = SelectionConfig(fit_queries="recon", score_queries="recon", fit_keys=FIRST_FIT_KEYS,

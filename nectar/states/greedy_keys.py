@@ -47,6 +47,11 @@ def chooses_greedy(key_choice: str, kept: list[list[torch.Tensor]], n: int) -> b
     return scarce(kept, n)
 
 
+def kept_share(kept: list[list[torch.Tensor]], n: int) -> float:
+    """The share of an ``n``-token document's (layer, KV head, token) entries the ``kept`` [L][Hkv] keys are."""
+    return sum(idx.numel() for heads in kept for idx in heads) / max(1, n * sum(len(heads) for heads in kept))
+
+
 def scarce(kept: list[list[torch.Tensor]], n: int) -> bool:
     """Whether the ``kept`` [L][Hkv] keys are at most GREEDY_SHARE of an ``n``-token document's entries: where
     ``auto`` chooses keys greedily (key_choice) and fits β and values by least squares (fit_by)."""

@@ -22,7 +22,7 @@ from ..layout import PromptLayout
 from ..modules.budget import ragged_pair_bytes
 from ..modules.builder import ModulePlan, NectarModule
 from ..schemas.config import ModuleConfig, SelectionConfig
-from .greedy_keys import chooses_greedy, greedy_kept, scarce
+from .greedy_keys import GREEDY_SHARE, chooses_greedy, greedy_kept, kept_share
 from .interface import FitInputs, FittedState, StateMethod
 from .reconstruction import (ReconCapture, allocate, anchor_mask, build_selected, combined_scores, recon_capture,
                              selection_plan, template_mask, train_scores)
@@ -77,12 +77,27 @@ def fit_recon(base: BaseLM, layout: PromptLayout, document: str, doc_kv, targets
     (recon_s, allocate_s and build_selected's fit_mass_s / fit_values_s), for the first state's profile."""
     timings = {} if timings is None else timings
     s = select_recon(base, layout, document, doc_kv, targets, plan, select, spans, seed, timings)
-    # "auto": least squares where keys are scarce (the joint solve carries the state), else each head's choice
-    choose = select.fit_by == "choose" or (select.fit_by == "auto" and not scarce(s.kept, layout.n))
+    fit_by = auto_fit_by(kept_share(s.kept, layout.n)) if select.fit_by == "auto" else select.fit_by
     module = build_selected(s.plan, s.kept, doc_kv, s.queries, select.quant_aware, timings=timings,
                             fit_keys=select.fit_keys, value_rounding=select.value_rounding, fit_prior=select.fit_prior,
-                            merge=select.fit_by == "merge", choose=choose)
+                            merge=fit_by == "merge", choose=fit_by == "choose")
     return FittedState(ReconFit.name, module, s.plan, scores=s.scores)  # scores [L, Hkv, n]: what the allocation ranked
+
+
+# fit_by "auto": each head's choice (least squares or merge) where the state keeps at most this share of the
+# document's entries, the merge above. On four documents the choice gained +0.1 to +1.6 points over merging at
+# 2 % of the float32 bytes (~14 % of the entries at int4) but +0.0 to +0.1 at 5 % (~35 %), where it made the
+# state 1.3–2× slower to fit (docs/quality.md, "Least squares or merge, head by head"): between the two
+CHOOSE_SHARE = 0.25
+
+
+def auto_fit_by(share: float) -> str:
+    """What fit_by "auto" does for a state keeping ``share`` of the document's entries: least squares where keys
+    are scarce (at most GREEDY_SHARE: the joint solve carries the state), each head's choice up to CHOOSE_SHARE,
+    the merge above."""
+    if share <= GREEDY_SHARE:
+        return "least_squares"
+    return "choose" if share <= CHOOSE_SHARE else "merge"
 
 
 def ranking(base: BaseLM, layout: PromptLayout, doc_kv, targets, plan: ModulePlan, select: SelectionConfig,
@@ -180,8 +195,8 @@ class ReconFit(StateMethod):
     fit_prior: Literal["kept", "merged"] = "kept"
     # β and values by least squares, by merging the evicted keys into the kept ones (merging.py), per (layer,
     # KV head) whichever of the two does better on fit queries held out of both ("choose", reconstruction.py
-    # _HeadFit.choose), or least squares where the state keeps at most GREEDY_SHARE of the document's entries and
-    # chosen above ("auto")
+    # _HeadFit.choose), or by the share of the document's entries kept ("auto", ``auto_fit_by``: least squares up
+    # to GREEDY_SHARE, chosen up to CHOOSE_SHARE, merged above)
     fit_by: Literal["least_squares", "merge", "auto", "choose"] = "least_squares"
 
     name = "recon_fit"

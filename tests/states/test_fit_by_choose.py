@@ -41,6 +41,14 @@ def _same(x, y):
     return torch.equal(x[0], y[0]) and torch.equal(x[1], y[1])
 
 
+def test_auto_by_the_share_kept():
+    from nectar.states.greedy_keys import GREEDY_SHARE
+    from nectar.states.recon_fit import CHOOSE_SHARE, auto_fit_by
+
+    assert [auto_fit_by(x) for x in (0.0, GREEDY_SHARE, 0.06, CHOOSE_SHARE, 0.26, 1.0)] == [
+        "least_squares", "least_squares", "choose", "choose", "merge", "merge"]
+
+
 def test_held_out_rows_are_every_fifth_block():
     held = held_out_rows(HELD_OUT_BLOCK * HELD_OUT_EVERY * 3 + 7)
     assert held.sum() == 3 * HELD_OUT_BLOCK  # a fifth, in whole blocks
@@ -113,16 +121,17 @@ def test_the_chosen_state_is_head_by_head_least_squares_or_the_merge(tiny, bits)
     assert timings["fit_merged_share"] == pytest.approx(sum(picks) / len(picks))
 
 
-def test_auto_is_least_squares_where_keys_are_scarce_and_chosen_above(tiny):
-    """fit_by "auto" = least squares where the state keeps at most GREEDY_SHARE of the entries, else "choose"."""
-    from nectar.states.greedy_keys import GREEDY_SHARE
+def test_auto_is_least_squares_where_keys_are_scarce_chosen_above_and_merged_where_plentiful(tiny):
+    """fit_by "auto" = least squares where the state keeps at most GREEDY_SHARE of the entries, "choose" up to
+    CHOOSE_SHARE, the merge above."""
+    from nectar.states.recon_fit import auto_fit_by
 
     base, layout, kv, spans = tiny
     inputs = FitInputs(kv, None, base=base, layout=layout, document=DOC, spans=spans, bits=32)
-    for rho, like in ((0.04, "least_squares"), (0.25, "choose")):
+    for rho, like in ((0.04, "least_squares"), (0.15, "choose"), (0.5, "merge")):
         plan = plan_module("quadrature", base.num_layers, base.num_kv_heads, base.head_dim, layout.n, base.scaling, rho)
         auto, same = (get_method("recon_fit").with_options(**FIRST, fit_by=f).fit(plan, inputs) for f in ("auto", like))
-        share = sum(auto.plan.quad_head_pairs[0]) / (layout.n * base.num_kv_heads)
-        assert (share <= GREEDY_SHARE) == (like == "least_squares"), share
+        share = sum(map(sum, auto.plan.quad_head_pairs)) / (layout.n * base.num_kv_heads * base.num_layers)
+        assert auto_fit_by(share) == like, share
         for a, b in zip(auto.module.layers, same.module.layers):
             assert torch.equal(a.Z, b.Z) and torch.equal(a.beta, b.beta)
