@@ -292,10 +292,12 @@ FIRST_SCORE_WINDOW = 1024
 # (6.9 % kept), nothing from 2 % up (docs/quality.md, "Keys chosen together for the fit")
 FIRST_KEY_CHOICE = "auto"
 # the first state's β and values (SelectionConfig.fit_by): least squares where keys are scarce, each head's least
-# squares or merge by held-out fit queries up to a quarter of the entries, merged above — merging gained +0.5 to +1.6 points over least squares at 5 % of
-# the float32 bytes on all five documents measured, traded places with it by document at 1 % (−5.3 to +2.7) and
-# was 10 points behind at 0.5 %; the head-by-head choice gained −0.5 to +7.4 over merging at 1 % on eight
-# documents, +0.1 to +1.6 at 2 % and +0.0 to +0.1 at 5 % (for 1.3–2× the fit's time) on four (docs/quality.md "Merging evicted keys instead of fitting", "Least squares or merge, head by head")
+# squares or merge by held-out fit queries up to a quarter of the entries, merged above — merging gained +0.5 to
+# +1.6 points over least squares at 5 % of the float32 bytes on all five documents measured, traded places with
+# it by document at 1 % (−5.3 to +2.7) and was 10 points behind at 0.5 %; the head-by-head choice gained −0.5 to
+# +7.4 over merging at 1 % on eight documents, +0.1 to +1.6 at 2 % and +0.0 to +0.1 at 5 % (for 1.3–2× the fit's
+# time) on four, and lost 1.5–5.4 to least squares at 0.5 % (docs/quality.md "Merging evicted keys instead of
+# fitting", "Least squares or merge, head by head")
 FIRST_FIT_BY = "auto"
 # the first state's selection: a ``--set first.select.KEY=VALUE`` changes KEY of THIS, not of SelectionConfig()
 FIRST_SELECT = SelectionConfig(fit_queries="recon", score_queries="recon", fit_keys=FIRST_FIT_KEYS,

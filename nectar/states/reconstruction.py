@@ -470,7 +470,8 @@ class _HeadFit:
 
         Why per head: least squares holds up where a head keeps few keys for its queries and overfits where it
         keeps many (docs/quality.md, "Merging evicted keys instead of fitting"); at 1 % of the bytes the two trade
-        places by document, so the data of each head decide, not one threshold for the state."""
+        places by document, so the data of each head decide. (Where heads keep tens of keys this measure misleads:
+        docs/quality.md, "Least squares or merge, head by head".)"""
         held = held_out_rows(self.q.shape[0])
         if not held.any():  # too few queries to hold any out: least squares, as below the merge's share
             return (*self.fit(scaling, log_mass, cap, grid), False)
@@ -489,7 +490,8 @@ class _HeadFit:
         M_q its attention mass relative to the document's (1 exactly), o_q its output, A_q the document's — the
         document's share of the attention numerator, so a wrong mass counts as well as a wrong output."""
         mass = attention_probs(self.q, self.alpha, self.keys, scaling).double() * beta.double().exp()  # [N, c]
-        return float(((mass @ Z.double() - self.A.double()) ** 2).sum() / (self.A.double() ** 2).sum().clamp_min(1e-30))
+        error = ((mass @ Z.double() - self.A.double()) ** 2).sum()  # [N, d] → Σ
+        return float(error / (self.A.double() ** 2).sum().clamp_min(1e-30))
 
 
 HELD_OUT_BLOCK = 96  # fit-query rows a held-out block (32 tokens' queries at g = 3)

@@ -197,7 +197,8 @@ def test_a_fake_server_deaf_to_sigterm_while_starting_dies_with_the_command_sigt
         while time.monotonic() < deadline and "deaf to SIGTERM" not in (log.read_text() if log.exists() else ""):
             time.sleep(0.1)
         assert "deaf to SIGTERM" in log.read_text()
-        server = next(p for p in psutil.Process(proc.pid).children(recursive=True) if str(FAKE) in " ".join(p.cmdline()))
+        server = next(p for p in psutil.Process(proc.pid).children(recursive=True)
+                      if str(FAKE) in " ".join(p.cmdline()))
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 143
         with pytest.raises(psutil.NoSuchProcess):

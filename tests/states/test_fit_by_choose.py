@@ -71,7 +71,8 @@ def test_choose_takes_what_does_better_on_the_held_out_queries_made_from_every_q
     t = _head(n=n, c=c, N=N, shift=shift)
     held = held_out_rows(t.q.shape[0])
     seen, unseen = t.rows(~held), t.rows(held)
-    errors = [unseen.held_out_error(SCALING, b, Z) for b, Z, *_ in (seen.fit(SCALING, lambda b: b), seen.merge(SCALING))]
+    errors = [unseen.held_out_error(SCALING, b, Z)
+              for b, Z, *_ in (seen.fit(SCALING, lambda b: b), seen.merge(SCALING))]
     beta, Z, _, _, merged = t.choose(SCALING, lambda b: b, lambda Z: Z)
     assert merged == (errors[1] <= errors[0]) == merges
     assert _same((beta, Z), (t.merge(SCALING) if merged else t.fit(SCALING, lambda b: b))[:2])
