@@ -8,17 +8,14 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "training"))
-from targets_fixture import DOC, make_targets  # noqa: E402
+from targets_fixture import DOC  # noqa: E402
 
 from nectar.modules import plan_module  # noqa: E402
-from nectar.queries.recon import make_recon  # noqa: E402
-from nectar.schemas.config import ProbesConfig, ReconConfig, SelectionConfig  # noqa: E402
+from nectar.schemas.config import SelectionConfig  # noqa: E402
 from nectar.states import get_method  # noqa: E402
 from nectar.states.interface import FitInputs  # noqa: E402
 from nectar.states.reconstruction import HELD_OUT_BLOCK, HELD_OUT_EVERY, _HeadFit, held_out_rows  # noqa: E402
 
-RECON = ReconConfig(span_words=12, withheld_fraction=0.0)
-PROBES = ProbesConfig(block_units=1)
 FIRST = {"fit_queries": "recon", "score_queries": "recon"}
 SCALING = 0.5
 
@@ -82,14 +79,6 @@ def test_too_few_queries_to_hold_out_is_least_squares():
     t = _head(N=HELD_OUT_BLOCK * 2)
     beta, Z, _, _, merged = t.choose(SCALING, lambda b: b, lambda Z: Z)
     assert not merged and _same((beta, Z), t.fit(SCALING, lambda b: b))
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_llama, tmp_path_factory):
-    out = tmp_path_factory.mktemp("targets")
-    layout, kv, _ = make_targets(tiny_llama, DOC, out)
-    spans = tuple((s.instruction, s.response) for s in make_recon(DOC, RECON, PROBES))
-    return tiny_llama, layout, kv, spans
 
 
 @pytest.mark.parametrize("bits", [32, 4])

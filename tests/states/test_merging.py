@@ -8,19 +8,16 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "training"))
-from targets_fixture import DOC, make_targets  # noqa: E402
+from targets_fixture import DOC  # noqa: E402
 
 from nectar.modules import plan_module  # noqa: E402
 from nectar.modules.provider import grouped_targets  # noqa: E402
-from nectar.queries.recon import make_recon  # noqa: E402
-from nectar.schemas.config import ProbesConfig, ReconConfig, SelectionConfig  # noqa: E402
+from nectar.schemas.config import SelectionConfig  # noqa: E402
 from nectar.states import get_method  # noqa: E402
 from nectar.states.interface import FitInputs  # noqa: E402
 from nectar.states.recon_fit import select_recon  # noqa: E402
 from nectar.states.merging import merge_head, nearest_kept  # noqa: E402
 
-RECON = ReconConfig(span_words=12, withheld_fraction=0.0)
-PROBES = ProbesConfig(block_units=1)
 FIRST = {"fit_queries": "recon", "score_queries": "recon"}
 
 
@@ -61,14 +58,6 @@ def test_nothing_evicted_is_the_exact_kv():
     beta, Z = merge_head(q, alpha, keys, values, kept, keys[kept], 0.5)
     torch.testing.assert_close(beta, torch.zeros(6), atol=1e-5, rtol=0)
     torch.testing.assert_close(Z, values, atol=1e-5, rtol=1e-5)
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_llama, tmp_path_factory):
-    out = tmp_path_factory.mktemp("targets")
-    layout, kv, _ = make_targets(tiny_llama, DOC, out)
-    spans = tuple((s.instruction, s.response) for s in make_recon(DOC, RECON, PROBES))
-    return tiny_llama, layout, kv, spans
 
 
 def test_the_method_merges_recon_fits_keys_in_its_bytes(tiny):

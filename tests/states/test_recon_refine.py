@@ -8,11 +8,10 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "training"))
-from targets_fixture import DOC, make_targets  # noqa: E402
+from targets_fixture import DOC  # noqa: E402
 
 from nectar.modules import plan_module  # noqa: E402
 from nectar.modules.stored import quantize_module_, stored_nbytes  # noqa: E402
-from nectar.queries.recon import make_recon  # noqa: E402
 from nectar.schemas.config import ProbesConfig, ReconConfig  # noqa: E402
 from nectar.states import get_method  # noqa: E402
 from nectar.states.interface import FitInputs  # noqa: E402
@@ -21,14 +20,6 @@ from nectar.states.recon_refine import ReconRefine, refine, span_batches, span_k
 RECON = ReconConfig(span_words=12, withheld_fraction=0.0)
 PROBES = ProbesConfig(block_units=1)
 FIRST = {"fit_queries": "recon", "score_queries": "recon"}
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_llama, tmp_path_factory):
-    out = tmp_path_factory.mktemp("targets")
-    layout, kv, _ = make_targets(tiny_llama, DOC, out)
-    spans = tuple((s.instruction, s.response) for s in make_recon(DOC, RECON, PROBES))
-    return tiny_llama, layout, kv, spans
 
 
 def _fit(tiny, steps, rho=0.05, lr=3e-2):
