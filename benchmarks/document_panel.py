@@ -26,7 +26,11 @@ recovered KL with 95 % paired bootstrap intervals over probes, and the paired Δ
 with its interval from the same resamples. Reconstruction leaves ``--withheld`` (0.1) of the document
 out (targets.recon.withheld_fraction): ``probes_withheld`` are the probes lying wholly there, text the
 state's fit never reconstructed (issue 38 item 3); KVzip's press reconstructs the whole document, so the
-``probes`` figures lean against the state.
+``probes`` figures lean against the state. Where ``--questions`` (docs/examples) holds
+``<name>-questions.jsonl`` — questions written by hand from the document's text, as a user would ask
+them, most with a hand-written answer and the rest answered once by the full-context model — every
+system is also teacher-forced on those answers: the ``questions`` split ("test no worse", issue 38
+item 2), as ``nectar compare --questions`` scores them (docs/quality.md, "Your own questions").
 
 Machinery: ``nectar compare``'s, without a targets stage (as ``nectar compare RUN_A RUN_B`` does): each
 document is a run directory holding only its text (OUT/runs/<name>); states fitted by
@@ -59,7 +63,8 @@ from typing import Any
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-SETTINGS = ("model", "withheld", "probes", "set", "states", "references", "reference")
+SETTINGS = ("model", "withheld", "probes", "set", "states", "references", "reference", "questions")
+QUESTIONS = "docs/examples"  # <name>-questions.jsonl per document (a relative path not here: the repository's)
 
 
 @dataclass(frozen=True)
@@ -195,6 +200,31 @@ def live_entry(ctx, base):
                  f"{ctx.run.url(stage)} (live: the {stage} stage's)", spec.arch)
 
 
+def document_questions(doc: PanelDocument, folder: str | None) -> Path | None:
+    """The document's own questions (``FOLDER/<name>-questions.jsonl``: hand-written from its text, not
+    from self-study), or None where the folder holds none for it."""
+    if not folder:
+        return None
+    root = Path(folder)
+    if not root.is_absolute() and not root.exists():  # the default names the repository's own folder
+        root = Path(__file__).resolve().parents[1] / folder
+    path = root / f"{doc.name}-questions.jsonl"
+    return path if path.is_file() else None
+
+
+def questions_sha256(doc: PanelDocument, folder: str | None) -> str | None:
+    import hashlib
+
+    path = document_questions(doc, folder)
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path is not None else None
+
+
+def cell_done(out: Path, doc: PanelDocument, rho: float, questions: str | None) -> bool:
+    """A finished cell, scored on the document's questions as they are now (an edited file redoes it)."""
+    path = cell_dir(out, doc, rho) / "info.json"
+    return path.exists() and json.loads(path.read_text()).get("questions_sha256") == questions
+
+
 def cell_dir(out: Path, doc: PanelDocument, rho: float) -> Path:
     return out / "cells" / f"{doc.name}@{rho:g}"
 
@@ -206,6 +236,7 @@ def run_document(doc: PanelDocument, text: str, rhos: list[float], args, out: Pa
     from nectar.comparison.compose import Entry, Part, fit_part, kvpress_entries, selection
     from nectar.comparison.run import SCORE_BATCH
     from nectar.comparison.systems import resolve
+    from nectar.evaluation.questions import load_questions, with_questions
     from nectar.evaluation.scoring import score_providers
     from nectar.layout import build_layout
     from nectar.orchestration.context import load_base
@@ -219,8 +250,12 @@ def run_document(doc: PanelDocument, text: str, rhos: list[float], args, out: Pa
     timings = {"prefill_s": time.perf_counter() - t1}
     cfg = ctx.config.evaluate
     sel = selection(panel_prompts(ctx, args.probes, cfg.seed), layout)
+    asked = document_questions(doc, args.questions)
+    if asked is not None:  # the user's measure beside the probes: a `questions` split, answers cached in the run
+        loaded = load_questions(str(asked), base, layout, ExactDocState(doc_kv), ctx.run.url("questions"), cfg)
+        sel = with_questions(sel, loaded.pairs, cfg)
     print(f"panel: {doc.name} ({doc.kind}) n={layout.n}{' YaRN x2' if ctx.config.model.yarn_factor else ''}: "
-          f"{', '.join(f'{k} {len(v)}' for k, v in sel.per_split.items())} probes; cells "
+          f"{', '.join(f'{k} {len(v)}' for k, v in sel.per_split.items())} pairs; cells "
           f"{', '.join(f'{r:g}' for r in rhos)} (load {fmt_load(load0)})", flush=True)
     cache = out / "cache" / doc.name
     part = Part(ctx, doc.name, layout, doc_kv)
@@ -254,6 +289,8 @@ def run_document(doc: PanelDocument, text: str, rhos: list[float], args, out: Pa
              "model": base.name, "yarn_factor": ctx.config.model.yarn_factor, "n": layout.n,
              "kv_bytes": doc_kv.nbytes(), "kv_dtype": str(doc_kv.keys[0].dtype).removeprefix("torch."),
              "withheld_fraction": ctx.config.targets.recon.withheld_fraction, "run": ctx.run.root,
+             "questions": str(asked) if asked is not None else None,
+             "questions_sha256": loaded.file.sha256 if asked is not None else None,
              "states": [s.name for s in states] + (["run:live"] if live_in else []),
              "references": [r.name for r in refs]}
     for rho in rhos:
@@ -449,8 +486,11 @@ def parse_args(argv: list[str] | None):
     ap.add_argument("--probes", type=int, default=80, help="held-out probes per document (seeded sample)")
     ap.add_argument("--withheld", type=float, default=0.1, help="share of the document reconstruction leaves out")
     ap.add_argument("--runs", default="", help="NAME=RUN_DIR,…: score that run's live state too")
+    ap.add_argument("--questions", default=QUESTIONS,
+                    help="a folder of <name>-questions.jsonl files (the `questions` split); '' for none")
     ap.add_argument("--set", action="append", default=[], help="a config override KEY=VALUE (repeatable)")
     args = ap.parse_args(argv)
+    args.questions = args.questions or None
     args.states = [s for s in args.states.split(",") if s]
     args.references = [s for s in args.references.split(",") if s]
     if args.reference not in args.references:
@@ -476,7 +516,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             print(f"panel: {doc.name}: {doc.source} is not on this machine; skipped")
             continue
         present.append(doc)
-        todo = [rho for rho in rhos if not (cell_dir(out, doc, rho) / "info.json").exists()]
+        sha = questions_sha256(doc, args.questions)
+        todo = [rho for rho in rhos if not cell_done(out, doc, rho, sha)]
         if not todo:
             print(f"panel: {doc.name}: every cell done; skipped")
             continue

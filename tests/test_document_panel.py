@@ -1,6 +1,7 @@
 """benchmarks/document_panel.py end to end on the tiny model: two documents × two budgets, the table's
 rows and columns, the paired Δ and its interval recomputed from the per-pair scores, and a re-run that
-resumes (finished cells skipped, a missing one redone alone)."""
+resumes (finished cells skipped, a missing one redone alone, an edited questions file redoing its
+document's cells)."""
 import csv
 import importlib.util
 import sys
@@ -55,11 +56,21 @@ def test_the_panel_names_its_documents_and_which_were_tuned_on(panel):
 
 def test_panel_end_to_end_on_the_tiny_model_and_resume(panel, scored, tmp_path, capsys):
     out = tmp_path / "panel"
-    rows = panel.main([*ARGS, *REFS, "--out", str(out)])
+    asked = tmp_path / "questions"  # naming's own questions (three answered, one left to the full model)
+    asked.mkdir()
+    lines = (Path(panel.__file__).parents[1] / "docs/examples/naming-questions.jsonl").read_text().splitlines()
+    unanswered = next(line for line in lines if '"answer"' not in line)
+    (asked / "naming-questions.jsonl").write_text("\n".join([*lines[:3], unanswered]) + "\n")
+    args = [*ARGS, "--questions", str(asked), *REFS, "--out", str(out)]
+    rows = panel.main(args)
     cells = {(r["document"], r["rho"]) for r in rows}
     assert cells == {(d, rho) for d in ("naming", "try") for rho in (0.02, 0.05)}
-    assert {r["split"] for r in rows} <= {"probes", "probes_withheld"}
+    assert {r["split"] for r in rows} <= {"probes", "probes_withheld", "questions"}
     assert {(r["document"], r["rho"]) for r in rows if r["split"] == "probes"} == cells
+    # the questions split: naming's four (try has no file), with their Δ like any split
+    asked_rows = [r for r in rows if r["split"] == "questions"]
+    assert {(r["document"], r["n_pairs"]) for r in asked_rows} == {("naming", 4)} and len(asked_rows) == 2
+    assert all(r["delta_ref"] is not None for r in asked_rows)
     # the table: the CSV's columns, the markdown's tables, the figure
     with open(out / "panel.csv") as f:
         table = list(csv.DictReader(f))
@@ -92,19 +103,26 @@ def test_panel_end_to_end_on_the_tiny_model_and_resume(panel, scored, tmp_path, 
     written = {p: p.stat().st_mtime_ns for p in (out / "cells").glob("*/info.json")}
     try_pairs = [p.pair_id for p in scored[1][1].pairs]
     scored.clear()
-    assert panel.main([*ARGS, *REFS, "--out", str(out)]) == rows
+    assert panel.main(args) == rows
     assert scored == [] and "naming: every cell done; skipped" in capsys.readouterr().out
     assert {p: p.stat().st_mtime_ns for p in (out / "cells").glob("*/info.json")} == written
     # a cell left unfinished (no info.json) is redone alone: one pass, its document only, its budget only
     (out / "cells" / "try@0.05" / "info.json").unlink()
-    again = panel.main([*ARGS, *REFS, "--out", str(out)])
+    again = panel.main(args)
     assert len(scored) == 1 and [p.pair_id for p in scored[0][1].pairs] == try_pairs
     assert set(scored[0][0]) == {"none", "full", "recon_first@int4@0.05", "recon_select@int4@0.05",
                                  "recon_select@int8@0.05"}
     assert again == rows  # the fitted states came from the cache: the same figures
+    # an edited questions file redoes its document's cells (its answers' cache is keyed by the file)
+    (asked / "naming-questions.jsonl").write_text("\n".join(lines[:2]) + "\n")
+    scored.clear()
+    edited = panel.main(args)
+    assert len(scored) == 1 and len(scored[0][1].per_split["questions"]) == 2  # naming's pass alone
+    assert {r["n_pairs"] for r in edited if r["split"] == "questions"} == {2}
+    assert [r for r in edited if r["document"] == "try"] == [r for r in rows if r["document"] == "try"]
     # other settings into the same folder are refused, not mixed in
     with pytest.raises(SystemExit, match="other settings \\(probes"):
-        panel.main([*ARGS[:-3], "8", *ARGS[-2:], *REFS, "--out", str(out)])
+        panel.main([*ARGS[:-3], "8", *ARGS[-2:], "--questions", str(asked), *REFS, "--out", str(out)])
 
 
 @pytest.mark.slow
