@@ -135,3 +135,19 @@ def test_panel_against_kvzip_at_each_precision(panel, kvpress_env, tmp_path):
         assert r["best_recovered"] >= r["ref_recovered"]
         assert r["n_pairs"] < 2 or r["delta_ref_low"] <= r["delta_ref"] <= r["delta_ref_high"]
         assert r["ref_bytes"] <= 1.01 * r["rho"] * r["kv_bytes_fp32"]  # kvpress keeps whole entries: a rounding over
+
+
+def test_every_panel_questions_file_reads_and_names_a_panel_document(panel):
+    """docs/examples/<name>-questions.jsonl: each a valid questions file (read_questions' checks) of a panel
+    entry, most answers hand-written."""
+    from nectar.evaluation.questions import read_questions
+
+    files = sorted((Path(panel.__file__).parents[1] / "docs" / "examples").glob("*-questions.jsonl"))
+    names = {d.name for d in panel.PANEL}
+    assert len(files) >= 7
+    for path in files:
+        doc = path.name.removesuffix("-questions.jsonl")
+        assert doc in names, f"{path.name}: no panel document {doc!r}"
+        assert panel.document_questions(next(d for d in panel.PANEL if d.name == doc), "docs/examples").resolve() == path
+        rows = [row for _, row in read_questions(str(path)).rows]
+        assert len(rows) >= 12 and sum(r.answer is not None for r in rows) >= 0.7 * len(rows)
