@@ -213,10 +213,12 @@ def document_questions(doc: PanelDocument, folder: str | None) -> Path | None:
 
 
 def questions_sha256(doc: PanelDocument, folder: str | None) -> str | None:
-    import hashlib
+    """The sha256 of the document's questions file as nectar reads it (a bad file stops here, in one line,
+    before anything loads)."""
+    from nectar.evaluation.questions import read_questions
 
     path = document_questions(doc, folder)
-    return hashlib.sha256(path.read_bytes()).hexdigest() if path is not None else None
+    return read_questions(str(path)).sha256 if path is not None else None
 
 
 def cell_done(out: Path, doc: PanelDocument, rho: float, questions: str | None) -> bool:
