@@ -324,6 +324,10 @@ class RefineConfig(FrozenConfig):
     # more — the spans grow with the text, so fixed steps cover a long one less often (pydoc:types, 8.9k tokens:
     # 88.3 % [86.6, 89.8] after 200 steps, 90.3 [88.7, 91.7] after 400: docs/quality.md)
     per_tokens: int = added_setting(0, ge=0)
+    # "constant": Adam at ``lr`` every step; "cosine": a linear warm-up over the first 5 % of the steps to ``lr``,
+    # then a cosine decay to 0 by the last step — the same steps, the state's codes settling as the rate falls
+    # (measured against "constant": docs/quality.md, "A decaying rate for the steps")
+    lr_schedule: Literal["constant", "cosine"] = added_setting("constant")
 
 
 # the first state's refinement (FirstConfig.refine): 200 steps where keys are scarce (0.5 % of the float32 bytes at

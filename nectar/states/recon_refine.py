@@ -100,10 +100,27 @@ def _kl_sum(base: BaseLM, module: NectarModule, n: int, b: SpanBatch) -> torch.T
     return kl_topk_tail_sum(logits, b.topk_ids.to(dev), b.topk_logprobs.to(dev), b.scored.to(dev))
 
 
+WARMUP_SHARE = 0.05  # the cosine schedule's linear warm-up: this share of the steps
+
+
+def lr_factor(schedule: str, step: int, steps: int) -> float:
+    """The share of the peak rate at 0-based ``step`` of ``steps``: 1 throughout ("constant"), or a linear
+    warm-up over ``WARMUP_SHARE`` of the steps and a cosine decay to 0 at the last step ("cosine")."""
+    if schedule == "constant":
+        return 1.0
+    if schedule != "cosine":
+        raise ValueError(f"lr_schedule {schedule!r}: expected 'constant' or 'cosine'")
+    warm = max(1, math.ceil(WARMUP_SHARE * steps))
+    if step < warm:
+        return (step + 1) / warm
+    return 0.5 * (1.0 + math.cos(math.pi * (step - warm + 1) / max(steps - warm, 1)))
+
+
 def refine(base: BaseLM, module: NectarModule, n: int, batches: list[SpanBatch], steps: int, lr: float,
-           seed: int = 0, log=None) -> tuple[NectarModule, dict[str, float]]:
+           seed: int = 0, log=None, schedule: str = "constant") -> tuple[NectarModule, dict[str, float]]:
     """``steps`` Adam steps on the module as stored (one batch a step, batches in a seeded order that
-    cycles); returns the module (rounded onto its grid) and the spans' KL before and after."""
+    cycles; the rate ``lr`` × ``lr_factor(schedule, …)``); returns the module (rounded onto its grid) and the
+    spans' KL before and after."""
     before = span_kl(base, module, n, batches)
     start = {k: v.detach().clone() for k, v in module.state_dict().items()}
     for p in base.model.parameters():  # the base model is frozen: only the state moves
@@ -115,6 +132,8 @@ def refine(base: BaseLM, module: NectarModule, n: int, batches: list[SpanBatch],
         params = [p for p in module.parameters() if p.requires_grad]
         opt = torch.optim.Adam(params, lr=lr)
         for step in range(steps):
+            for group in opt.param_groups:
+                group["lr"] = lr * lr_factor(schedule, step, steps)
             if not order:
                 order = list(rng.permutation(len(batches)))
             b = batches[order.pop()]
@@ -172,7 +191,8 @@ def refine_fitted(base: BaseLM, layout: PromptLayout, doc_kv, spans: list[tuple[
             print(f"refine: step {step + 1}/{steps}, span KL {loss:.4f} ({time.perf_counter() - started:.0f} s)",
                   flush=True)
 
-    module, facts = refine(base, fitted.module.to(base.device), layout.n, batches, steps, cfg.lr, seed, log)
+    module, facts = refine(base, fitted.module.to(base.device), layout.n, batches, steps, cfg.lr, seed, log,
+                           cfg.lr_schedule)
     timings["refine_s"] = timings.get("refine_s", 0.0) + time.perf_counter() - started
     timings.update(facts, refine_steps=steps)
     print(f"refine: span KL {facts['span_kl_fit']:.4f} -> {facts['span_kl_refined']:.4f} ({steps} steps, "
@@ -192,6 +212,7 @@ class ReconRefine(ReconFit):
     topk: int = RefineConfig().topk  # the teacher's top-K of the KL (+ the tail bucket)
     when: str = RefineConfig().when  # "always", or "auto": the steps only where keys are scarce (the first state's)
     per_tokens: int = RefineConfig().per_tokens  # 0: ``steps``; N: ``steps`` per N document tokens when more
+    lr_schedule: str = RefineConfig().lr_schedule  # "constant", or "cosine": warm-up, then decay to 0 at the last step
 
     name = "recon_refine"
 

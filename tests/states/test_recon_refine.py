@@ -88,6 +88,49 @@ def test_steps_that_raise_the_spans_kl_fall_back_to_the_fit(tiny):
     assert all(torch.equal(start[k], v) for k, v in module.state_dict().items())
 
 
+def test_the_cosine_schedule_warms_up_then_decays_to_zero():
+    from nectar.states.recon_refine import lr_factor
+
+    assert [lr_factor("constant", i, 40) for i in (0, 20, 39)] == [1.0, 1.0, 1.0]
+    rates = [lr_factor("cosine", i, 40) for i in range(40)]  # warm-up: 5 % of 40 steps = 2
+    assert rates[:2] == [0.5, 1.0] and rates[-1] == pytest.approx(0.0, abs=1e-12)
+    assert all(a > b for a, b in zip(rates[1:], rates[2:]))  # decays every step after the warm-up
+    assert sum(rates) / 40 == pytest.approx(0.5, abs=0.05)  # the mean rate is about half the peak
+    assert lr_factor("cosine", 0, 1) == 1.0  # one step: the warm-up's only step, at the peak
+    with pytest.raises(ValueError, match="lr_schedule 'linear'"):
+        lr_factor("linear", 0, 10)
+
+
+def test_the_steps_follow_the_schedule_and_it_keys_the_cache(tiny):
+    """refine sets Adam's rate at every step from the schedule (the rates the steps used, read back from
+    the optimizer through the log) and still lowers the spans' KL; a cosine refinement is its own cache
+    entry, the constant rate stays out of the key (states made before the setting stay valid)."""
+    from nectar.schemas.config import RefineConfig
+    from nectar.states.recon_refine import lr_factor
+
+    base, layout, kv, spans = tiny
+    module = _damaged(_fit(tiny, steps=0).module)
+    batches = with_teacher(base, kv, layout.n, span_batches(layout, list(spans), 512), 16)
+    used = []
+    real_step = torch.optim.Adam.step
+
+    def recording_step(opt, *a, **k):  # what the optimizer ran each step with
+        used.append(opt.param_groups[0]["lr"])
+        return real_step(opt, *a, **k)
+
+    torch.optim.Adam.step = recording_step
+    try:
+        module, facts = refine(base, module, layout.n, batches, steps=10, lr=5e-2, schedule="cosine")
+    finally:
+        torch.optim.Adam.step = real_step
+    assert used == pytest.approx([5e-2 * lr_factor("cosine", i, 10) for i in range(10)])
+    assert facts["span_kl_refined"] < facts["span_kl_fit"], facts  # half the constant rate's mean: less, still lower
+    assert "lr_schedule" not in RefineConfig(steps=3).cache_dict()
+    assert RefineConfig(steps=3, lr_schedule="cosine").cache_dict()["lr_schedule"] == "cosine"
+    method = get_method("recon_refine").with_options(lr_schedule="cosine")
+    assert method.refine_config.lr_schedule == "cosine"
+
+
 def test_the_compare_system_is_the_first_states_selection_refined():
     """``recon_first_refined@int4`` = the first stage's selection and then the method's steps at every budget;
     ``recon_first@int4`` = the first stage's state: the same steps where keys are scarce (``when: auto``), its
