@@ -201,7 +201,7 @@ def fit_digest(part: Part, s: System, gap: int = 0) -> str:
     cache key (the captured queries some methods read) and the release."""
     cfg = part.ctx.config
     method = _configured_method(part, s, gap)
-    settings = dataclasses.asdict(method) if dataclasses.is_dataclass(method) else repr(method)
+    settings = method_settings(method)
     targets = part.ctx.stage_run("targets").read_manifest("targets")
     return stable_hash({"method": type(method).__name__, "settings": settings, "bits": s.bits,
                         "model": cfg.model.cache_dict(), "module": cfg.train.module.cache_dict(),
@@ -209,6 +209,16 @@ def fit_digest(part: Part, s: System, gap: int = 0) -> str:
                         "probes": cfg.targets.probes.cache_dict(),
                         "targets": targets.cache_key if targets is not None else None,
                         "code": CODE_VERSION})[:12]
+
+
+def method_settings(method) -> dict | str:
+    """A method's settings as a cached state's digest reads them: every field, except a field the method added
+    after states were cached (its ``added_settings``: name → default) while it holds that default — so those
+    states stay valid, and a state made with any other value of it is its own entry."""
+    if not dataclasses.is_dataclass(method):
+        return repr(method)
+    added = dict(getattr(method, "added_settings", ()))
+    return {k: v for k, v in dataclasses.asdict(method).items() if not (k in added and added[k] == v)}
 
 
 def _configured_method(part: Part, s: System, gap: int = 0):

@@ -215,6 +215,9 @@ class ReconRefine(ReconFit):
     lr_schedule: str = RefineConfig().lr_schedule  # "constant", or "cosine": warm-up, then decay to 0 at the last step
 
     name = "recon_refine"
+    # fields added after states were cached, with the default that left them out of the digest (compose.py
+    # method_settings): a constant-rate state fitted before lr_schedule existed is the same state
+    added_settings = (("lr_schedule", "constant"),)
 
     @property
     def select(self) -> SelectionConfig:

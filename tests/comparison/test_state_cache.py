@@ -44,3 +44,16 @@ def test_a_cached_state_is_reused_and_a_redefined_system_is_fitted_again(part, t
     compose.fit_part(part, redefined, 0.1, base, cache)
     assert len(fits) == 2 and len(os.listdir(cache)) == 2
     assert compose.fit_digest(part, system) != compose.fit_digest(part, redefined)
+
+
+def test_a_setting_added_later_keeps_states_cached_before_it_while_at_its_default(part):
+    """``lr_schedule`` came after the first state's cached files: at its default ("constant") the digest reads
+    the settings as before it existed (the same file name), and at "cosine" it names another state."""
+    part, base = part
+    first = SYSTEMS["recon_first@int4"]
+    cosine = dataclasses.replace(first, options={**first.options, "lr_schedule": "cosine"})
+    method = compose._configured_method(part, first)
+    before = {k: v for k, v in dataclasses.asdict(method).items() if k != "lr_schedule"}  # the fields it had
+    assert compose.method_settings(method) == before
+    assert compose.method_settings(compose._configured_method(part, cosine))["lr_schedule"] == "cosine"
+    assert compose.fit_digest(part, first) != compose.fit_digest(part, cosine)
