@@ -326,7 +326,7 @@ class RefineConfig(FrozenConfig):
     per_tokens: int = added_setting(0, ge=0)
     # "constant": Adam at ``lr`` every step; "cosine": a linear warm-up over the first 5 % of the steps to ``lr``,
     # then a cosine decay to 0 by the last step — the same steps, the state's codes settling as the rate falls
-    # (measured against "constant": docs/quality.md, "The steps' rate": no gain on GFDL-1.3)
+    # (measured against "constant": docs/quality.md, "The steps' rate": no gain on GFDL-1.3 or pydoc:types)
     lr_schedule: Literal["constant", "cosine"] = added_setting("constant")
 
 
