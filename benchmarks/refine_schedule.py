@@ -6,9 +6,10 @@ for the first state refined at other rates (a cosine decay, a higher constant) a
 
 Each variant SCHEDULE:R is a state — ``recon_first_cos<R>@int4`` for a cosine decay from the peak R,
 ``recon_first_lr<R>@int4`` for the constant rate R: ``recon_first@int4`` (the first state: its fit, its steps per
-document length, nectar/states/recon_refine.py) with that ``lr_schedule`` and ``lr`` — registered here, opt-in, and scored by benchmarks/document_panel.py's machinery (its cells and its cache) against the first
-state at its constant rate (``recon_first@int4``, the Δ's reference, reused from the folder's cache when a
-panel of that document at that budget ran there) and KVzip+int4. The steps, the batches and their seeded order are
+document length, nectar/states/recon_refine.py) with that ``lr_schedule`` and ``lr`` — registered here, opt-in,
+and scored by benchmarks/document_panel.py's machinery (its cells and its cache) against the first state at its
+constant rate (``recon_first@int4``, the Δ's reference, reused from the folder's cache when a panel of that
+document at that budget ran there) and KVzip+int4. The steps, the batches and their seeded order are
 the first state's; only the rate at each step differs.
 """
 from __future__ import annotations
@@ -21,8 +22,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 BASE = "recon_first@int4"
-
-
 PREFIX = {"cosine": "cos", "constant": "lr"}
 HOW = {"cosine": "warmed up to {r:g} and decayed to 0 by a cosine", "constant": "{r:g} at every step"}
 
@@ -45,18 +44,10 @@ def state_name(schedule: str, rate: float) -> str:
 
 def register_variants(variants: list[tuple[str, float]]) -> list[str]:
     """A registered state for each (schedule, rate): the first state with its steps taken at that rate."""
-    from nectar.comparison.systems import SYSTEMS, System, register
+    from nectar.comparison.systems import register_variant
 
-    base = SYSTEMS[BASE]
-    names = []
-    for schedule, rate in variants:
-        name = state_name(schedule, rate)
-        if name not in SYSTEMS:
-            register(System(name, "method", f"{base.description}; the steps' rate {HOW[schedule].format(r=rate)}",
-                            method=base.method, bits=base.bits,
-                            options={**base.options, "lr_schedule": schedule, "lr": rate}, default=False))
-        names.append(name)
-    return names
+    return [register_variant(BASE, state_name(schedule, rate), f"; the steps' rate {HOW[schedule].format(r=rate)}",
+                             lr_schedule=schedule, lr=rate) for schedule, rate in variants]
 
 
 def main(argv: list[str] | None = None):

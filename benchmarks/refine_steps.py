@@ -23,19 +23,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 def register_steps(steps: list[int]) -> list[str]:
     """``recon_first_refined<N>@int4`` for each N: the registered refined state with N steps."""
-    from nectar.comparison.systems import SYSTEMS, System, register
-
+    from nectar.comparison.systems import register_variant
     from nectar.states.recon_refine import REFINE_STEPS
 
-    base = SYSTEMS["recon_first_refined@int4"]
-    names = []
-    for n in steps:
-        name = base.name if n == REFINE_STEPS else f"recon_first_refined{n}@int4"
-        if name not in SYSTEMS:
-            register(System(name, "method", f"{base.description} ({n} steps)", method=base.method, bits=base.bits,
-                            options={**base.options, "steps": n}, default=False))
-        names.append(name)
-    return names
+    base = "recon_first_refined@int4"
+    return [base if n == REFINE_STEPS else register_variant(base, f"recon_first_refined{n}@int4", f" ({n} steps)",
+                                                             steps=n) for n in steps]
 
 
 def main(argv: list[str] | None = None):

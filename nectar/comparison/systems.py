@@ -96,6 +96,16 @@ def register(system: System) -> System:
     return system
 
 
+def register_variant(base: str, name: str, note: str, **options: Any) -> str:
+    """``name``: the method system ``base`` with ``options`` over its settings, opt-in (a benchmark's sweep
+    point, e.g. another step count or rate), registered once; ``note`` is added to ``base``'s description."""
+    if name not in SYSTEMS:
+        b = SYSTEMS[base]
+        register(System(name, "method", f"{b.description}{note}", method=b.method, bits=b.bits,
+                        options={**b.options, **options}, default=False))
+    return name
+
+
 for _s in (
     System("none", "reference", "the base model without the document (0 bytes)"),
     System("full", "reference", "the exact KV cache of the whole document"),

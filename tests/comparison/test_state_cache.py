@@ -57,3 +57,15 @@ def test_a_setting_added_later_keeps_states_cached_before_it_while_at_its_defaul
     assert compose.method_settings(method) == before
     assert compose.method_settings(compose._configured_method(part, cosine))["lr_schedule"] == "cosine"
     assert compose.fit_digest(part, first) != compose.fit_digest(part, cosine)
+
+
+def test_a_benchmark_variant_is_its_base_with_the_options_over_it():
+    """systems.register_variant (benchmarks/refine_steps.py, refine_schedule.py): the base's method, bits and
+    settings with the given ones over them, opt-in, registered once (a second call returns the same name)."""
+    from nectar.comparison.systems import register_variant
+
+    name = register_variant("recon_first@int4", "recon_first_test_variant@int4", " (a test)", lr=2e-3)
+    assert register_variant("recon_first@int4", name, " (again)", lr=9.0) == name
+    base, v = SYSTEMS["recon_first@int4"], SYSTEMS[name]
+    assert (v.method, v.bits, v.default) == (base.method, base.bits, False)
+    assert v.options == {**base.options, "lr": 2e-3} and v.description == base.description + " (a test)"

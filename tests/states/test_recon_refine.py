@@ -101,9 +101,9 @@ def test_the_cosine_schedule_warms_up_then_decays_to_zero():
         lr_factor("linear", 0, 10)
 
 
-def test_the_steps_follow_the_schedule_and_it_keys_the_cache(tiny):
-    """refine sets Adam's rate at every step from the schedule (the rates the steps used, read back from
-    the optimizer through the log) and still lowers the spans' KL; a cosine refinement is its own cache
+def test_the_steps_follow_the_schedule_and_it_keys_the_cache(tiny, monkeypatch):
+    """refine sets Adam's rate at every step from the schedule (the rates the steps used, read from the
+    optimizer as each step runs) and still lowers the spans' KL; a cosine refinement is its own cache
     entry, the constant rate stays out of the key (states made before the setting stay valid)."""
     from nectar.schemas.config import RefineConfig
     from nectar.states.recon_refine import lr_factor
@@ -118,11 +118,8 @@ def test_the_steps_follow_the_schedule_and_it_keys_the_cache(tiny):
         used.append(opt.param_groups[0]["lr"])
         return real_step(opt, *a, **k)
 
-    torch.optim.Adam.step = recording_step
-    try:
-        module, facts = refine(base, module, layout.n, batches, steps=10, lr=5e-2, schedule="cosine")
-    finally:
-        torch.optim.Adam.step = real_step
+    monkeypatch.setattr(torch.optim.Adam, "step", recording_step)
+    module, facts = refine(base, module, layout.n, batches, steps=10, lr=5e-2, schedule="cosine")
     assert used == pytest.approx([5e-2 * lr_factor("cosine", i, 10) for i in range(10)])
     assert facts["span_kl_refined"] < facts["span_kl_fit"], facts  # half the constant rate's mean: less, still lower
     assert "lr_schedule" not in RefineConfig(steps=3).cache_dict()
